@@ -156,18 +156,33 @@ def fmt(values: Sequence[float], scale: float = 1.0, digits: int = 1) -> str:
   return f"{m:.{digits}f}" if np.isnan(h) else f"{m:.{digits}f} ± {h:.{digits}f}"
 
 
-def collect(root: str, seeds: Sequence[int], variants: Sequence[str]) -> dict[str, Any]:
-  """``{variant: {"final": [per-seed final eval], "curves": [...], "summary": [...], ...}}``."""
+def sft_eval(root: str, seed: int, variants: Sequence[str]) -> dict[str, Any]:
+  """The SFT policy of ``seed`` on the RL runs' held-out set: their step-0 evaluation (every RL variant of
+  the seed starts from that checkpoint), else the SFT run's own final evaluation."""
+  for variant in variants:
+    path = os.path.join(root, f"seed{seed}", variant, "metrics.jsonl")
+    if os.path.exists(path):
+      first = [r for r in read_jsonl(path) if r["phase"] == "eval_rl" and r["step"] == 0]
+      if first:
+        return first[0]
+  return final_eval(os.path.join(root, f"seed{seed}", "sft_only"), "sft")
+
+
+def collect(root: str, seeds: Sequence[int], variants: Sequence[str],
+            sft_seed: int | None = None) -> dict[str, Any]:
+  """``{variant: {"final": [per-seed final eval], "curves": [...], "summary": [...], ...}}``.
+
+  The ``sft_only`` row has one entry per SFT run (only ``sft_seed`` when SFT was shared).
+  """
   out: dict[str, Any] = {}
   for variant in ("sft_only", *variants):
     rows = {"final": [], "summary": [], "eval_curves": [], "train_curves": [], "profile": []}
-    for seed in seeds:
+    for seed in (seeds if variant != "sft_only" or sft_seed is None else [sft_seed]):
       workdir = os.path.join(root, f"seed{seed}", variant)
       if not os.path.exists(os.path.join(workdir, "summary.json")):
         continue
       records = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
-      phase = "sft" if variant == "sft_only" else "rl"
-      rows["final"].append(final_eval(workdir, phase))
+      rows["final"].append(sft_eval(root, seed, variants) if variant == "sft_only" else final_eval(workdir, "rl"))
       with open(os.path.join(workdir, "summary.json")) as f:
         rows["summary"].append(json.load(f))
       rows["eval_curves"].append([r for r in records if r["phase"] == "eval_rl"])
@@ -290,6 +305,15 @@ def findings(results: dict[str, Any]) -> list[str]:
     out.append(f"- think length on {label} queries: " + ", ".join(f"{v} {x:.1f}" for v, x in vals.items()))
   out.append("- shorter thinking on easy queries (cast < cast_no_budget): "
              + verdict(_per_seed_diff(results, "cast", "cast_no_budget", "think_len_easy"), -1))
+  out.append("- the budget cuts easy thinking more than hard thinking ((cast_no_budget - cast) on easy minus "
+             "the same on hard > 0): "
+             + verdict([(nb["think_len_easy"] - c["think_len_easy"]) - (nb["think_len_hard"] - c["think_len_hard"])
+                        for c, nb in zip(results.get("cast", {}).get("final", []),
+                                         results.get("cast_no_budget", {}).get("final", []))
+                        if all(x.get(k) is not None for x in (c, nb) for k in ("think_len_easy", "think_len_hard"))],
+                       +1))
+  out.append("- CAST thinks less than GRPO (all queries): "
+             + verdict(_per_seed_diff(results, "cast", "grpo", "think_len"), -1))
   out.append("- longer thinking kept on hard queries (cast hard - cast easy > 0): "
              + verdict([x.get("think_len_hard") - x.get("think_len_easy") for x in results.get("cast", {})
                         .get("final", []) if x.get("think_len_hard") is not None and x.get("think_len_easy")
@@ -313,7 +337,7 @@ def report(results: dict[str, Any], seeds: Sequence[int], command: str, plots: S
            f"Seeds {', '.join(map(str, seeds))}; every cell is the mean ± 95% t-interval over the seeds that "
            "finished (n shown); held-out set: the `tool_use` test split scored greedily (BFCL exact match). "
            f"Config: `configs/cast_tool_use.py`{' with ' + ' '.join(overrides) if overrides else ''}. "
-           f"Total wall time of the script: {total_s / 60:.1f} min (2-core CPU shared with other jobs).", ""]
+           f"Total wall time of the script: {total_s / 60:.1f} min on this machine (2-core CPU).", ""]
   variants = list(results)
   header = "| variant | n | " + " | ".join(CATEGORIES) + " | overall |"
   lines += ["### Exact accuracy (%) per category", "", header, "|" + "---|" * (header.count("|") - 1)]
@@ -390,7 +414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     for seed in seeds:
       run_seed(seed, args.root, variants, args.overrides, args.sft_seed)
-  results = collect(args.root, seeds, variants)
+  results = collect(args.root, seeds, variants, args.sft_seed)
   plots = plot(results, args.plot_dir)
   # The command that produced the runs (a --report-only rerun reports the reproduction command).
   command = "python -m experiments.reproduce_cast " + " ".join(

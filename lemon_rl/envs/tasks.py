@@ -138,5 +138,6 @@ def tool_use_task(cfg, data_dir: str) -> Task:
       eval_reward=score,
       max_new_tokens=budget,
       max_completion_len=budget,
+      prompt_len=1 + int(cfg.max_prompt_bytes),  # BOS + the longest prompt (one compiled shape, no pow2 slack).
       prepare_rl=functools.partial(tut.prepare_rl, cfg, train),
   )
