@@ -289,11 +289,13 @@ def findings(results: dict[str, Any]) -> list[str]:
     m, h = mean_ci(diffs)
     if np.isnan(m):
       return "not measured"
+    head = f"paired diff {m:+.2f}" + ("" if np.isnan(h) else f" ± {h:.2f}") + " → "
+    if abs(m) < 1e-9:
+      return head + "no difference"
     holds = sign * m > 0
     sig = not np.isnan(h) and abs(m) > h
-    return (f"paired diff {m:+.2f}" + ("" if np.isnan(h) else f" ± {h:.2f}") + " → " +
-            ("holds" if holds else "does NOT hold") + (" (significant)" if sig and holds else
-                                                      " (not significant)" if holds else ""))
+    return head + ("holds" if holds else "does NOT hold") + (" (significant)" if sig and holds else
+                                                            " (not significant)" if holds else "")
 
   acc = {v: 100 * _mean(results, v, "accuracy") for v in results}
   out.append(f"- CAST accuracy >= GRPO: cast {acc.get('cast', float('nan')):.1f}% vs grpo "

@@ -72,3 +72,10 @@ def test_sft_row_is_the_rl_runs_step0_evaluation_once_per_sft_run(tmp_path):
   assert [f["accuracy"] for f in shared["grpo"]["final"]] == [0.6, 0.7]
   (tmp_path / "seed0" / "grpo" / "metrics.jsonl").write_text("")  # No RL evaluation: the SFT run's own.
   assert [f["accuracy"] for f in reproduce_cast.collect(str(tmp_path), [0], ["grpo"])["sft_only"]["final"]] == [0.9]
+
+
+def test_equal_means_are_no_difference_in_either_direction():
+  results = _results(PAPER)
+  results["grpo"]["final"] = [dict(f) for f in results["cast"]["final"]]
+  line = _line(reproduce_cast.findings(results), "- CAST accuracy >= GRPO")
+  assert line.endswith("no difference"), line
