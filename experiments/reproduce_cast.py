@@ -309,10 +309,8 @@ def findings(results: dict[str, Any]) -> list[str]:
              + verdict(_per_seed_diff(results, "cast", "cast_no_budget", "think_len_easy"), -1))
   out.append("- the budget cuts easy thinking more than hard thinking ((cast_no_budget - cast) on easy minus "
              "the same on hard > 0): "
-             + verdict([(nb["think_len_easy"] - c["think_len_easy"]) - (nb["think_len_hard"] - c["think_len_hard"])
-                        for c, nb in zip(results.get("cast", {}).get("final", []),
-                                         results.get("cast_no_budget", {}).get("final", []))
-                        if all(x.get(k) is not None for x in (c, nb) for k in ("think_len_easy", "think_len_hard"))],
+             + verdict([e - h for e, h in zip(_per_seed_diff(results, "cast_no_budget", "cast", "think_len_easy"),
+                                              _per_seed_diff(results, "cast_no_budget", "cast", "think_len_hard"))],
                        +1))
   out.append("- CAST thinks less than GRPO (all queries): "
              + verdict(_per_seed_diff(results, "cast", "grpo", "think_len"), -1))

@@ -46,7 +46,8 @@ from lemon_rl.sampling import generate, prompt_bucket
 from lemon_rl.text.decoding import decode_completion
 from lemon_rl.training import state as state_lib
 from lemon_rl.training.batches import build_sequences, pad_completions
-from lemon_rl.training.rl import clip_kwargs, group_statistics, reduce_update_metrics, rollout_and_update
+from lemon_rl.training.rl import SurrogateSettings, group_statistics, reduce_update_metrics
+from lemon_rl.training.rl import rollout_and_update, surrogate_fields_from_config
 from lemon_rl.training.state import TrainState
 
 ALGORITHMS = ("grpo", "fest_dpo", "fest_grpo")
@@ -60,11 +61,11 @@ WEIGHT_QUANTILES = (0.1, 0.5, 0.9)
 
 
 @dataclasses.dataclass(frozen=True)
-class FestLoss:
+class FestLoss(SurrogateSettings):
   """The FEST loss of one micro-batch (hashable: a static argument of the jitted update).
 
-  ``algorithm`` is ``"fest_dpo"`` or ``"fest_grpo"``; the GRPO part uses the clipped surrogate fields as
-  :class:`lemon_rl.training.rl.PolicyLoss` (no KL, no entropy term: the paper's ``L_I``).
+  ``algorithm`` is ``"fest_dpo"`` or ``"fest_grpo"``; the GRPO part is the clipped surrogate of the inherited
+  :class:`lemon_rl.training.rl.SurrogateSettings` (no KL, no entropy term: the paper's ``L_I``).
   """
 
   algorithm: str = "fest_grpo"
@@ -73,21 +74,13 @@ class FestLoss:
   beta2: float = fest_losses.DEFAULT_BETA2
   beta3: float = fest_losses.DEFAULT_BETA3
   sft_aggregation: str = "seq_mean_token_sum"
-  policy_loss: str = "ppo_clip"
-  eps_low: float = 0.2
-  eps_high: float | None = None
-  dual_clip: float | None = None
-  aggregation: str = "token_mean"
-  max_len: int | None = None
 
   def __post_init__(self):
     if self.algorithm not in FEST_ALGORITHMS:
       raise ValueError(f"FestLoss.algorithm={self.algorithm!r}: must be one of {FEST_ALGORITHMS}")
 
   def _grpo(self, logp, old_logp, advantages, mask):
-    kwargs = clip_kwargs(self.policy_loss, self.eps_low, self.eps_high, self.dual_clip)
-    return pg.grpo_loss(logp, old_logp, advantages, mask, policy_loss=self.policy_loss,
-                        aggregation=self.aggregation, max_len=self.max_len, **kwargs)
+    return pg.grpo_loss(logp, old_logp, advantages, mask, **self.surrogate_kwargs())
 
   def terms(self, model: nnx.Module, batch: Mapping[str, Any]):
     """``(expert_term, rl_term, metrics)``: the two unreduced means and the additive metrics."""
@@ -146,14 +139,10 @@ class FestLoss:
 
 def fest_loss_from_config(rl_cfg, fest_cfg, algorithm: str) -> FestLoss:
   """Builds the loss from the ``rl`` and ``fest`` config sections."""
-  pg.POLICY_LOSSES.validate(rl_cfg.policy_loss)
-  pg.AGGREGATIONS.validate(rl_cfg.aggregation)
   pg.AGGREGATIONS.validate(fest_cfg.sft_aggregation)
-  return FestLoss(algorithm=algorithm, c=float(fest_cfg.c), beta1=float(fest_cfg.beta1),
-                  beta2=float(fest_cfg.beta2), beta3=float(fest_cfg.beta3),
-                  sft_aggregation=fest_cfg.sft_aggregation, policy_loss=rl_cfg.policy_loss,
-                  eps_low=rl_cfg.eps_low, eps_high=rl_cfg.get("eps_high"), dual_clip=rl_cfg.get("dual_clip"),
-                  aggregation=rl_cfg.aggregation, max_len=rl_cfg.get("max_len") or rl_cfg.max_new_tokens)
+  return FestLoss(**surrogate_fields_from_config(rl_cfg), algorithm=algorithm, c=float(fest_cfg.c),
+                  beta1=float(fest_cfg.beta1), beta2=float(fest_cfg.beta2), beta3=float(fest_cfg.beta3),
+                  sft_aggregation=fest_cfg.sft_aggregation)
 
 
 def aggregation_denominator(mask: np.ndarray, aggregation: str, max_len: int | None = None) -> float:

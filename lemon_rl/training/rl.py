@@ -29,23 +29,9 @@ from lemon_rl.training.batches import build_sequences, completion_to_targets
 from lemon_rl.training.state import TrainState
 
 
-def clip_kwargs(policy_loss: str, eps_low: float, eps_high: float | None,
-                dual_clip: float | None) -> dict[str, float | None]:
-  """The clipping arguments of ``policy_loss`` (GSPO's sequence ratio takes no dual-clip)."""
-  kwargs = dict(eps_low=eps_low, eps_high=eps_high)
-  if policy_loss != "gspo":
-    kwargs["dual_clip"] = dual_clip
-  return kwargs
-
-
 @dataclasses.dataclass(frozen=True)
-class PolicyLoss:
-  """The policy-gradient loss of one micro-batch (hashable: a static argument of the jitted update).
-
-  ``batch`` holds ``ids [N, T]``, ``attention_mask [N, T]``, ``loss_mask [N, T-1]``, ``advantages [N]``,
-  and optionally ``old_logp``, ``ref_logp`` and ``sampler_logp`` (``[N, T-1]``); without ``old_logp`` the
-  update is on-policy (the current log-probs, without gradient, stand in for them).
-  """
+class SurrogateSettings:
+  """The clipped-surrogate fields the RL losses share (:class:`PolicyLoss`, FEST's ``FestLoss``)."""
 
   policy_loss: str = "ppo_clip"
   eps_low: float = 0.2
@@ -53,6 +39,34 @@ class PolicyLoss:
   dual_clip: float | None = None
   aggregation: str = "token_mean"
   max_len: int | None = None
+
+  def surrogate_kwargs(self) -> dict[str, Any]:
+    """Keyword arguments of :func:`pg.grpo_loss` (GSPO's sequence ratio takes no dual-clip)."""
+    kwargs = {"policy_loss": self.policy_loss, "eps_low": self.eps_low, "eps_high": self.eps_high,
+              "aggregation": self.aggregation, "max_len": self.max_len}
+    if self.policy_loss != "gspo":
+      kwargs["dual_clip"] = self.dual_clip
+    return kwargs
+
+
+def surrogate_fields_from_config(cfg) -> dict[str, Any]:
+  """The :class:`SurrogateSettings` fields of an ``rl`` config section (names checked against the registries)."""
+  pg.POLICY_LOSSES.validate(cfg.policy_loss)
+  pg.AGGREGATIONS.validate(cfg.aggregation)
+  return {"policy_loss": cfg.policy_loss, "eps_low": cfg.eps_low, "eps_high": cfg.get("eps_high"),
+          "dual_clip": cfg.get("dual_clip"), "aggregation": cfg.aggregation,
+          "max_len": cfg.get("max_len") or cfg.max_new_tokens}
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLoss(SurrogateSettings):
+  """The policy-gradient loss of one micro-batch (hashable: a static argument of the jitted update).
+
+  ``batch`` holds ``ids [N, T]``, ``attention_mask [N, T]``, ``loss_mask [N, T-1]``, ``advantages [N]``,
+  and optionally ``old_logp``, ``ref_logp`` and ``sampler_logp`` (``[N, T-1]``); without ``old_logp`` the
+  update is on-policy (the current log-probs, without gradient, stand in for them).
+  """
+
   kl_coef: float = 0.0
   kl_estimator: str = "k3"
   entropy_coef: float = 0.0
@@ -64,30 +78,24 @@ class PolicyLoss:
     entropy = ops.entropy_from_logits(logits)
     if not self.entropy_coef:
       entropy = jax.lax.stop_gradient(entropy)
-    kwargs = clip_kwargs(self.policy_loss, self.eps_low, self.eps_high, self.dual_clip)
+    kwargs = self.surrogate_kwargs()
     if "sampler_logp" in batch:
       kwargs.update(sampler_logp=batch["sampler_logp"], tis_cap=self.tis_cap)
     # Absent old log-probs mean an exactly on-policy update: ratio = exp(logp - sg[logp]) = 1 with the
     # gradient of logp, which saves the separate forward pass.
     old_logp = batch["old_logp"] if "old_logp" in batch else jax.lax.stop_gradient(logp)
     loss, metrics = pg.grpo_loss(
-        logp, old_logp, batch["advantages"], batch["loss_mask"], policy_loss=self.policy_loss,
-        ref_logp=batch.get("ref_logp"), kl_coef=self.kl_coef, kl_estimator=self.kl_estimator,
-        entropy=entropy, entropy_coef=self.entropy_coef, aggregation=self.aggregation, max_len=self.max_len,
+        logp, old_logp, batch["advantages"], batch["loss_mask"], ref_logp=batch.get("ref_logp"),
+        kl_coef=self.kl_coef, kl_estimator=self.kl_estimator, entropy=entropy, entropy_coef=self.entropy_coef,
         **kwargs)
     return loss, metrics
 
 
 def policy_loss_from_config(cfg) -> PolicyLoss:
   """Builds the loss from the ``rl`` config section (names checked against the registries)."""
-  pg.POLICY_LOSSES.validate(cfg.policy_loss)
-  pg.AGGREGATIONS.validate(cfg.aggregation)
   pg.KL_ESTIMATORS.validate(cfg.kl_estimator)
-  return PolicyLoss(policy_loss=cfg.policy_loss, eps_low=cfg.eps_low, eps_high=cfg.get("eps_high"),
-                    dual_clip=cfg.get("dual_clip"), aggregation=cfg.aggregation,
-                    max_len=cfg.get("max_len") or cfg.max_new_tokens, kl_coef=cfg.kl_coef,
-                    kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef,
-                    tis_cap=cfg.get("tis_cap") if cfg.get("use_tis") else None)
+  return PolicyLoss(**surrogate_fields_from_config(cfg), kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
+                    entropy_coef=cfg.entropy_coef, tis_cap=cfg.get("tis_cap") if cfg.get("use_tis") else None)
 
 
 @dataclasses.dataclass
