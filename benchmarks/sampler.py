@@ -46,7 +46,7 @@ def best_time(fn, repeats: int) -> float:
 
 
 def time_lemon(model, prompts, repeats):
-  ids, mask = sampler_lib.left_pad(prompts, PROMPT_LEN, 0)
+  ids, mask = sampler_lib.right_pad(prompts, PROMPT_LEN, 0)
   ids, mask = jnp.asarray(ids), jnp.asarray(mask)
   graphdef, state = nnx.split(model)
   slots = PROMPT_LEN + NEW_TOKENS

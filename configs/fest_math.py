@@ -47,6 +47,7 @@ def get_config(variant: str = "fest_grpo") -> config_dict.ConfigDict:
   c.sft.batch_size = 128
   c.sft.eval_every = 0
 
+  c.phases = ("sft", "expert_sft", "rl")
   c.expert_sft = config_dict.ConfigDict()  # SFT on the D_E demonstrations after the easy SFT (0 = skip).
   c.expert_sft.steps = 0
   c.expert_sft.batch_size = 32

@@ -357,7 +357,7 @@ def report(results: dict[str, Any], seeds: Sequence[int], command: str, plots: S
   lines += ["", "### Think length (tokens), stability, cost", "",
             "Easy = at most one call and no conversion note; hard = several calls or a conversion (static tag "
             "of the held-out query). Normalised advantage variance = batch variance of the advantages the loss "
-            "used, mean over RL steps (decision, see `lemon_rl.training.rl.advantage_variance`). "
+            "used, mean over RL steps (decision, see `lemon_rl.training.rollout.advantage_variance`). "
             "Process wall s: the whole run of the variant (restore, case library, RL, evaluations).", "",
             header, "|" + "---|" * (header.count("|") - 1)]
   for v in variants:

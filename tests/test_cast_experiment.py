@@ -14,7 +14,7 @@ from lemon_rl.data.curriculum import CurriculumSampler
 from lemon_rl.envs import tool_use
 from lemon_rl.envs import tool_use_task as tut
 from lemon_rl.training.config_validation import ConfigError, validate_config
-from lemon_rl.training.rl import advantage_variance
+from lemon_rl.training.rollout import advantage_variance
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = "configs/cast_tool_use.py:tiny"

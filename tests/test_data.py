@@ -1,19 +1,20 @@
-"""Tests for lemon_rl.data: the arithmetic tfds builder (array_record) and the grain pipeline."""
+"""Tests for the arithmetic tfds builder (array_record, lemon_rl.envs) and the grain pipeline (lemon_rl.data)."""
 
+import ast
 import collections
 import json
 import os
+import pathlib
 
 import numpy as np
 import pytest
 
-from lemon_rl.data import arithmetic_builder
+import lemon_rl
 from lemon_rl.data import BatchIterator
-from lemon_rl.data import build_arithmetic
-from lemon_rl.data import make_config
-from lemon_rl.data import SFTTokenize
 from lemon_rl.envs import arithmetic
-from lemon_rl.text import ByteTokenizer
+from lemon_rl.envs import arithmetic_builder
+from lemon_rl.envs.arithmetic_builder import build_arithmetic
+from lemon_rl.envs.arithmetic_builder import make_config
 
 _PARAMS = {"seed": 5, "num_train": 300, "num_sft": 400, "num_test": 60}
 _FIELDS = ("prompt", "answer", "completion", "sloppy")
@@ -190,31 +191,30 @@ class TestBatchIterator:
     assert batch["name"] == [f"r{i}" for i in range(10)]
 
 
-class TestSFTTokenize:
-
-  def test_hand_example(self):
-    tok = ByteTokenizer()
-    out = SFTTokenize(tok, max_length=16)({"prompt": "12+34=", "completion": "0046", "sloppy": False})
-    expected_ids = [257, *b"12+34=", *b"0046", 258] + [256] * 4
-    np.testing.assert_array_equal(out["input_ids"], expected_ids)
-    np.testing.assert_array_equal(out["attention_mask"], [1] * 12 + [0] * 4)
-    np.testing.assert_array_equal(out["loss_mask"], [0] * 7 + [1] * 5 + [0] * 4)
-    assert out["input_ids"].dtype == np.int32 and out["sloppy"] is False
-    assert tok.decode(out["input_ids"][out["loss_mask"] == 1]) == "0046"
-
-  def test_too_long_and_missing_field(self):
-    tokenize = SFTTokenize(ByteTokenizer(), max_length=8)
-    with pytest.raises(ValueError, match="max_length=8"):
-      tokenize({"prompt": "123+456=", "completion": "0579"})
-    with pytest.raises(KeyError, match="completion"):
-      tokenize({"prompt": "1+1="})
-
-  def test_in_pipeline(self, sources):
-    tok = ByteTokenizer()
-    it = BatchIterator(sources["sft"], batch_size=8, seed=0, transform=SFTTokenize(tok, max_length=16))
+  def test_transform_applies_to_each_record(self, sources):
+    it = BatchIterator(sources["sft"], batch_size=8, seed=0,
+                       transform=lambda r: {"prompt": r["prompt"], "length": len(r["prompt"])})
     batch = next(it)
-    assert batch["input_ids"].shape == (8, 16) and batch["loss_mask"].shape == (8, 16)
-    for row, mask, prompt, completion in zip(batch["input_ids"], batch["loss_mask"], batch["prompt"],
-                                             batch["completion"]):
-      assert tok.decode(row) == prompt + completion
-      assert tok.decode(row[mask == 1], skip_special_tokens=False) == completion + "<eos>"
+    assert sorted(batch) == ["length", "prompt"]
+    np.testing.assert_array_equal(batch["length"], [len(p) for p in batch["prompt"]])
+
+
+def _imported_modules(path: pathlib.Path) -> set[str]:
+  """Every module an ``import`` / ``from ... import`` in ``path`` names, lazy (in-function) ones included."""
+  names = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      names.update(alias.name for alias in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      names.add(node.module)
+      names.update(f"{node.module}.{alias.name}" for alias in node.names)
+  return names
+
+
+def test_data_does_not_import_the_tasks():
+  """lemon_rl.envs (the tasks) uses lemon_rl.data; the reverse would make an import cycle."""
+  data_dir = pathlib.Path(lemon_rl.__file__).parent / "data"
+  offending = {p.name: sorted(m for m in _imported_modules(p) if m == "lemon_rl.envs" or m.startswith("lemon_rl.envs."))
+               for p in sorted(data_dir.glob("*.py"))}
+  offending = {k: v for k, v in offending.items() if v}
+  assert not offending, offending

@@ -105,14 +105,21 @@ class DPOLossTest(chex.TestCase):
   def test_fest_dpo_loss_combination(self):
     expert = ops.WeightedMetric(jnp.float32(3.0), jnp.float32(4.0))  # L_E = 0.75
     rl = ops.WeightedMetric(jnp.float32(-2.0), jnp.float32(10.0))  # L_I = -0.2
-    np.testing.assert_allclose(fest.fest_dpo_loss(expert, rl, c=2.0), 2 * 0.75 - 0.2, rtol=1e-6)
-    np.testing.assert_allclose(fest.fest_dpo_loss(expert, rl), 0.75 - 0.2, rtol=1e-6)  # c = 1 by default
-    # Two micro-batch pieces with the global denominators add up to the whole.
-    halves = [(ops.WeightedMetric(jnp.float32(1.0), jnp.float32(1.0)), ops.WeightedMetric(jnp.float32(-2.0), jnp.float32(4.0))),
-              (ops.WeightedMetric(jnp.float32(2.0), jnp.float32(3.0)), ops.WeightedMetric(jnp.float32(0.0), jnp.float32(6.0)))]
-    total = sum(float(fest.fest_dpo_loss(e, r, c=2.0, expert_denominator=4.0, rl_denominator=10.0))
-                for e, r in halves)
-    np.testing.assert_allclose(total, 2 * 0.75 - 0.2, rtol=1e-6)
+    # A few float32 roundings of O(1) numbers: rtol 1e-6 (~8 eps).
+    total = fest.fest_dpo_loss(expert, rl, c=2.0)
+    self.assertIsInstance(total, ops.WeightedMetric)  # a (sum, denominator) pair like every other loss
+    np.testing.assert_allclose(total.value, 2 * 0.75 - 0.2, rtol=1e-6)
+    np.testing.assert_allclose(total.denominator, 1.0)  # the whole batch
+    np.testing.assert_allclose(fest.fest_dpo_loss(expert, rl).value, 0.75 - 0.2, rtol=1e-6)  # c = 1 by default
+    # Two micro-batch pieces with the global denominators and their shares add up to the whole pair.
+    pair = lambda s, d: ops.WeightedMetric(jnp.float32(s), jnp.float32(d))
+    halves = [(pair(1.0, 1.0), pair(-2.0, 4.0)), (pair(2.0, 3.0), pair(0.0, 6.0))]
+    pieces = [fest.fest_dpo_loss(e, r, c=2.0, expert_denominator=4.0, rl_denominator=10.0, share=0.5)
+              for e, r in halves]
+    whole = pieces[0] + pieces[1]
+    np.testing.assert_allclose(whole.sum, 2 * 0.75 - 0.2, rtol=1e-6)
+    np.testing.assert_allclose(whole.denominator, 1.0)
+    np.testing.assert_allclose(whole.value, total.value, rtol=1e-6)
     with self.assertRaisesRegex(ValueError, "both"):
       fest.fest_dpo_loss(expert, rl, expert_denominator=4.0)
 
@@ -146,7 +153,21 @@ class FestGRPOTest(chex.TestCase):
   def test_fest_grpo_loss(self):
     sft = ops.WeightedMetric(jnp.float32(0.5), jnp.float32(2.0))
     rl = ops.WeightedMetric(jnp.float32(3.0), jnp.float32(6.0))
-    np.testing.assert_allclose(fest.fest_grpo_loss(sft, rl, c=0.5), 0.5 * 0.25 + 0.5, rtol=1e-6)
+    total = fest.fest_grpo_loss(sft, rl, c=0.5)
+    self.assertIsInstance(total, ops.WeightedMetric)
+    np.testing.assert_allclose(total.value, 0.5 * 0.25 + 0.5, rtol=1e-6)  # ~8 eps of a few roundings
+    np.testing.assert_allclose(total.denominator, 1.0)
+    piece = fest.fest_grpo_loss(sft, rl, c=0.5, sft_denominator=4.0, rl_denominator=12.0, share=0.25)
+    np.testing.assert_allclose(piece.sum, 0.5 * 0.125 + 0.25, rtol=1e-6)
+    np.testing.assert_allclose(piece.denominator, 0.25)
+
+  def test_combiners_are_differentiable_and_jittable(self):
+    def loss(x):
+      sft = ops.WeightedMetric(x * 2.0, jnp.float32(4.0))
+      rl = ops.WeightedMetric(-x, jnp.float32(2.0))
+      return fest.fest_grpo_loss(sft, rl, c=3.0).value
+    # d/dx (3 * 2x / 4 - x / 2) = 1, exact in float32.
+    np.testing.assert_allclose(jax.jit(jax.grad(loss))(jnp.float32(1.5)), 1.0, rtol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -81,16 +81,136 @@ def test_value_head_and_bfloat16_compute():
     no_head.value_from_hidden(hidden)
 
 
-def test_prefill_and_decode_match_the_full_forward():
-  model = Transformer(get_preset("tiny", **SMALL), rngs=nnx.Rngs(0))
-  ids = jnp.array([[0, 9, 8, 7], [3, 4, 5, 6]])
-  mask = jnp.array([[0, 1, 1, 1], [1, 1, 1, 1]])
-  hidden, cache = model.prefill(ids, mask, num_slots=6)
-  full = model(jnp.concatenate([ids, jnp.array([[11], [12]])], 1), jnp.concatenate([mask, jnp.ones((2, 1), int)], 1))
-  np.testing.assert_allclose(model.logits_from_hidden(hidden), full[:, 3], atol=1e-5)
-  slot_mask = jnp.concatenate([mask, jnp.array([[1, 0], [1, 0]])], 1).astype(bool)
-  hidden, _ = model.decode_step(jnp.array([11, 12]), jnp.array([3, 4]), cache, 4, slot_mask)
-  np.testing.assert_allclose(model.logits_from_hidden(hidden), full[:, 4], atol=1e-5)
+def f32_tol(reference, width: int = SMALL["mlp_dim"], chained: int = 16) -> float:
+  """Absolute tolerance between two float32 evaluation orders of the same network.
+
+  A dot product of ``K`` terms rounded in a different order differs by about ``sqrt(K) * eps`` times the
+  terms' magnitude (random-walk accumulation of per-addition rounding); ``chained`` bounds how many such
+  reductions compound (a few matmuls, a softmax and two norms per layer, two layers). ``K`` is the widest
+  contraction (the MLP), the magnitude that of the reference, so the bound follows the model's scale rather
+  than any one CPU's rounding.
+  """
+  return chained * np.sqrt(width) * np.finfo(np.float32).eps * float(np.abs(np.asarray(reference)).max())
+
+
+def _right_padded(seqs, width=None):
+  width = width or max(map(len, seqs))
+  ids = np.zeros((len(seqs), width), np.int32)
+  mask = np.zeros_like(ids)
+  for i, s in enumerate(seqs):
+    ids[i, :len(s)] = s
+    mask[i, :len(s)] = 1
+  return jnp.asarray(ids), jnp.asarray(mask)
+
+
+PROMPTS = [[9, 8, 7], [3, 4, 5, 6, 2], [1]]
+NEW = [[11, 12, 13], [14, 15, 16], [17, 18, 19]]
+
+
+@pytest.fixture(scope="module")
+def small_model():
+  return Transformer(get_preset("tiny", **SMALL), rngs=nnx.Rngs(0))
+
+
+def _valid(cache, row, layer=0):
+  """Row ``row``'s valid keys and values of one layer: ``[K, length, D]`` each."""
+  n = int(cache.lengths[row])
+  return np.asarray(cache.keys[layer][row, :, :n]), np.asarray(cache.values[layer][row, :, :n])
+
+
+def test_prefill_and_extend_match_the_full_forward(small_model):
+  model = small_model
+  full = model(*_right_padded([p + n for p, n in zip(PROMPTS, NEW)]))
+  ids, mask = _right_padded(PROMPTS, width=6)  # right-padded: every row left-aligned at slot 0
+  hidden, cache = model.prefill(ids, mask, num_slots=10)
+  np.testing.assert_array_equal(cache.lengths, [3, 5, 1])
+  lengths = [len(p) for p in PROMPTS]
+  last = np.stack([full[i, n - 1] for i, n in enumerate(lengths)])
+  np.testing.assert_allclose(model.logits_from_hidden(hidden), last, atol=f32_tol(full))
+  # k = 3 tokens per row in one call, each row at its own slots.
+  hidden, cache3 = jax.jit(model.extend)(jnp.asarray(NEW), cache)
+  np.testing.assert_array_equal(cache3.lengths, [6, 8, 4])
+  want = np.stack([full[i, n:n + 3] for i, n in enumerate(lengths)])
+  np.testing.assert_allclose(model.logits_from_hidden(hidden), want, atol=f32_tol(full))
+  # The same three tokens one at a time (plain decoding) give the same logits and the same cache.
+  one_by_one = cache
+  for j in range(3):
+    hidden, one_by_one = model.extend(jnp.asarray(NEW)[:, j:j + 1], one_by_one)
+    np.testing.assert_allclose(model.logits_from_hidden(hidden[:, 0]), want[:, j], atol=f32_tol(full))
+  np.testing.assert_array_equal(one_by_one.lengths, cache3.lengths)
+  for row in range(3):
+    for a, b in zip(_valid(one_by_one, row, layer=1), _valid(cache3, row, layer=1)):
+      np.testing.assert_allclose(a, b, atol=f32_tol(b))
+
+
+def test_extend_then_truncate_equals_extending_only_the_kept_tokens(small_model):
+  # Speculative decoding: verify k = 3 drafted tokens, keep j of them per row, then decode on.
+  model = small_model
+  ids, mask = _right_padded(PROMPTS)
+  _, cache = model.prefill(ids, mask, num_slots=12)
+  keep = jnp.array([0, 2, 3])
+  _, drafted = model.extend(jnp.asarray(NEW), cache)
+  truncated = drafted.truncate(cache.lengths + keep)
+  np.testing.assert_array_equal(truncated.lengths, [3, 7, 4])
+  # num_new does the same in one call (identical computation, so identical arrays).
+  _, partial = model.extend(jnp.asarray(NEW), cache, num_new=keep)
+  for a, b in zip(jax.tree.leaves(truncated), jax.tree.leaves(partial)):
+    np.testing.assert_array_equal(a, b)
+  nxt = jnp.array([[21], [22], [23]])
+  hidden, _ = model.extend(nxt, truncated)
+  got = model.logits_from_hidden(hidden[:, 0])
+  for row, j in enumerate(keep.tolist()):
+    # Reference: the same row with only its j kept tokens appended, alone (batch 1), then the next token.
+    _, ref = model.prefill(ids[row:row + 1], mask[row:row + 1], num_slots=12)
+    if j:
+      _, ref = model.extend(jnp.asarray(NEW)[row:row + 1, :j], ref)
+    np.testing.assert_array_equal(ref.lengths, truncated.lengths[row:row + 1])
+    for a, b in zip(_valid(truncated, row, layer=1), _valid(ref, 0, layer=1)):
+      np.testing.assert_allclose(a, b, atol=f32_tol(b))
+    hidden, _ = model.extend(nxt[row:row + 1], ref)
+    ref_logits = model.logits_from_hidden(hidden[:, 0])
+    np.testing.assert_allclose(got[row], ref_logits[0], atol=f32_tol(ref_logits))
+  # And the full forward over prompt + kept + next agrees.
+  seqs = [p + n[:j] + [int(t)] for p, n, j, t in zip(PROMPTS, NEW, keep.tolist(), nxt[:, 0])]
+  full = model(*_right_padded(seqs))
+  want = np.stack([full[i, len(s) - 1] for i, s in enumerate(seqs)])
+  np.testing.assert_allclose(got, want, atol=f32_tol(full))
+  # truncate never lengthens a row.
+  np.testing.assert_array_equal(truncated.truncate(jnp.array([100, 0, 4])).lengths, [3, 0, 4])
+
+
+def test_tile_equals_prefilling_each_copy(small_model):
+  model = small_model
+  ids, mask = _right_padded(PROMPTS[:2])
+  _, cache = model.prefill(ids, mask, num_slots=8)
+  tiled = cache.tile(3)
+  rows = [0, 0, 0, 1, 1, 1]
+  _, copies = model.prefill(ids[jnp.array(rows)], mask[jnp.array(rows)], num_slots=8)
+  np.testing.assert_array_equal(tiled.lengths, copies.lengths)
+  for a, b in zip(jax.tree.leaves(tiled), jax.tree.leaves(copies)):
+    assert a.shape == b.shape
+  for r in range(6):
+    for layer in range(2):
+      for a, b in zip(_valid(tiled, r, layer), _valid(copies, r, layer)):
+        np.testing.assert_allclose(a, b, atol=f32_tol(b))
+  # Different continuations of the shared prefix match the full forward.
+  new = jnp.arange(30, 42).reshape(6, 2)
+  hidden, _ = model.extend(new, tiled)
+  seqs = [PROMPTS[r] + new[i].tolist() for i, r in enumerate(rows)]
+  full = model(*_right_padded(seqs))
+  want = np.stack([full[i, len(s) - 2:len(s)] for i, s in enumerate(seqs)])
+  np.testing.assert_allclose(model.logits_from_hidden(hidden), want, atol=f32_tol(full))
+
+
+def test_extend_without_room_leaves_the_row_unchanged(small_model):
+  model = small_model
+  ids, mask = _right_padded([[1, 2, 3, 4], [5]])
+  _, cache = model.prefill(ids, mask, num_slots=5)
+  _, out = model.extend(jnp.array([[6, 7], [8, 9]]), cache)  # row 0 would need slots 4 and 5
+  np.testing.assert_array_equal(out.lengths, [4, 3])
+  for layer in range(2):
+    np.testing.assert_array_equal(out.keys[layer][0], cache.keys[layer][0])
+    np.testing.assert_array_equal(out.values[layer][0], cache.values[layer][0])
 
 
 @pytest.mark.parametrize("t,block_size", [(13, 4), (20, 3), (7, 64)])  # 3 blocks, 4 uneven blocks, 1 block

@@ -1,19 +1,30 @@
-"""Tests of lemon_rl.losses.policy_gradient (aggregation, KL, clipped surrogates) and the registry."""
+"""Tests of lemon_rl.losses.policy_gradient (aggregation, KL, clipped surrogates), the surrogate settings
+(lemon_rl.losses.surrogate) and the registry.
+
+The by-hand tests run under ``chex.variants`` (eager, ``jax.jit`` and ``jax.pmap``; under pytest there is
+one CPU device, so the pmap variant maps over one device: it checks that the losses trace under pmap,
+while tests/test_loss_transforms.py splits batches over 4 fake devices).
+"""
 
 import functools
 
 from absl.testing import parameterized
 import chex
+import hypothesis
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 import jax
 import jax.numpy as jnp
+from ml_collections import config_dict
 import numpy as np
 import pytest
 
 from lemon_rl import losses
 from lemon_rl import ops
 from lemon_rl.losses import policy_gradient as pg
-from lemon_rl.losses.registry import Registry
-from lemon_rl.losses.registry import UnknownNameError
+from lemon_rl.losses import surrogate
+from lemon_rl.utils.registry import Registry
+from lemon_rl.utils.registry import UnknownNameError
 
 AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 
@@ -90,7 +101,7 @@ class AggregationTest(chex.TestCase):
   X = jnp.array([[1.0, 2.0, 3.0, 0.0], [4.0, 0.0, 0.0, 0.0], [5.0, 6.0, 7.0, 8.0]])
   M = jnp.array([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]], jnp.float32)  # row 2 is padding
 
-  @chex.variants(with_jit=True, without_jit=True)
+  @chex.variants(with_jit=True, without_jit=True, with_pmap=True)
   @parameterized.named_parameters(
       # valid tokens: row 0 {1, 2, 3} (sum 6, mean 2), row 1 {4} (sum 4, mean 4), row 2 none.
       ("token_mean", "token_mean", None, 10.0, 4.0),  # (1 + 2 + 3 + 4) / 4 = 2.5
@@ -147,7 +158,7 @@ class AggregationTest(chex.TestCase):
 
 class KLTest(chex.TestCase):
 
-  @chex.variants(with_jit=True, without_jit=True)
+  @chex.variants(with_jit=True, without_jit=True, with_pmap=True)
   def test_by_hand(self):
     logp = jnp.array([[-1.0, -2.0]])
     ref = jnp.array([[-2.0, -1.0]])
@@ -202,7 +213,7 @@ class SurrogateTest(chex.TestCase):
   ADV = jnp.array([1.0, -1.0])
   MASK = jnp.ones((2, 2))
 
-  @chex.variants(with_jit=True, without_jit=True)
+  @chex.variants(with_jit=True, without_jit=True, with_pmap=True)
   def test_token_level_by_hand(self):
     f = self.variant(functools.partial(pg.clipped_surrogate_loss, eps_low=0.2))
     loss, metrics = f(self.LOGP, self.OLD, self.ADV, self.MASK)
@@ -261,7 +272,7 @@ class SurrogateTest(chex.TestCase):
     untruncated = pg.clipped_surrogate_loss(logp, old, jnp.array([1.0]), jnp.ones((1, 2)), sampler_logp=sampler)[0]
     np.testing.assert_allclose(untruncated.value, -1.75, rtol=1e-6)
 
-  @chex.variants(with_jit=True, without_jit=True)
+  @chex.variants(with_jit=True, without_jit=True, with_pmap=True)
   def test_gspo_by_hand(self):
     f = self.variant(functools.partial(pg.clipped_surrogate_loss, ratio_level="sequence", eps_low=0.2,
                                        aggregation="seq_mean_token_mean"))
@@ -350,7 +361,7 @@ class SurrogateTest(chex.TestCase):
 
 class GRPOLossTest(chex.TestCase):
 
-  @chex.variants(with_jit=True, without_jit=True)
+  @chex.variants(with_jit=True, without_jit=True, with_pmap=True)
   def test_total_is_pg_plus_kl_minus_entropy(self):
     logp, old, adv, mask = random_batch(10)
     ref = (logp - 0.2).astype(np.float32)
@@ -386,6 +397,253 @@ class GRPOLossTest(chex.TestCase):
       pg.grpo_loss(logp, old, adv, mask, entropy_coef=0.1)
     with self.assertRaisesRegex(KeyError, "registered: ppo_clip, gspo"):
       pg.grpo_loss(logp, old, adv, mask, policy_loss="ppo")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Extreme log-probs: bounded ratios, no NaN from masked -inf (METHODS.md section 0, LOG_RATIO_CLAMP).
+# ---------------------------------------------------------------------------------------------------
+
+# Every surrogate option: clip ranges, dual clip, GSPO (no dual clip), TIS with and without a cap.
+SURROGATE_OPTIONS = {
+    "symmetric": dict(eps_low=0.2),
+    "asymmetric": dict(eps_low=0.2, eps_high=0.28),
+    "dual_clip": dict(eps_low=0.2, eps_high=0.28, dual_clip=3.0),
+    "tis_cap": dict(eps_low=0.2, tis_cap=2.0, tis=True),
+    "tis_uncapped": dict(eps_low=0.2, tis=True),
+    "dual_clip_tis": dict(eps_low=0.2, dual_clip=2.0, tis_cap=5.0, tis=True),
+    "gspo": dict(policy_loss="gspo"),
+    "gspo_tis": dict(policy_loss="gspo", tis_cap=2.0, tis=True),
+    "gspo_tis_uncapped": dict(policy_loss="gspo", eps_low=0.2, tis=True),
+}
+B_X, T_X = 3, 4
+# Anything may sit at a masked position; -inf (a padding token's log-prob) is drawn most often.
+MASKED_VALUES = st.sampled_from([-np.inf, -np.inf, -np.inf, np.inf, np.nan, -1e30, 0.0])
+
+
+@st.composite
+def extreme_batch(draw, bound):
+  """``(logp, old, sampler, ref, adv, mask)``: finite values in ``[-bound, bound]`` (``None``: every finite
+  float32) where valid, arbitrary (mostly -inf) where masked; at least one valid token."""
+  finite = st.floats(-bound if bound else None, bound, width=32, allow_nan=False, allow_infinity=False)
+  extreme = st.one_of(finite, st.sampled_from([-100.0, 100.0, -1e4, 0.0, -1e-30]))
+  mask = draw(hnp.arrays(np.float32, (B_X, T_X), elements=st.sampled_from([0.0, 1.0])))
+  mask[draw(st.integers(0, B_X - 1)), draw(st.integers(0, T_X - 1))] = 1.0
+  arrays = []
+  for _ in range(4):
+    x = draw(hnp.arrays(np.float32, (B_X, T_X), elements=extreme))
+    pad = draw(hnp.arrays(np.float32, (B_X, T_X), elements=MASKED_VALUES))
+    arrays.append(np.where(mask != 0, x, pad).astype(np.float32))
+  adv = draw(hnp.arrays(np.float32, (B_X,), elements=st.floats(-100, 100, width=32)))
+  return (*arrays, adv, mask)
+
+
+def _assert_finite_loss_and_grad(loss_fn, logp):
+  value, grad = jax.value_and_grad(lambda lp: loss_fn(lp)[0].value)(jnp.asarray(logp))
+  assert np.isfinite(float(value)), value
+  assert np.isfinite(np.asarray(grad)).all(), grad
+  _, metrics = loss_fn(jnp.asarray(logp))
+  for name, metric in metrics.items():
+    if isinstance(metric, ops.WeightedMetric):  # ratio_min / ratio_max are +-inf on an empty mask by design
+      assert np.isfinite(float(metric.sum)) and np.isfinite(float(metric.denominator)), (name, metric)
+
+
+class ExtremeLogProbTest(chex.TestCase):
+
+  def test_log_ratio_of_100_is_bounded(self):
+    # Regression: exp(100) = inf made the loss inf, and with dual_clip the gradient [nan, 0.5].
+    logp = jnp.array([[100.0, 0.0]])
+    old, mask, adv = jnp.zeros((1, 2)), jnp.ones((1, 2)), jnp.array([-1.0])
+    loss = pg.clipped_surrogate_loss(logp, old, adv, mask)[0]
+    # A = -1: per-token loss max(rho, clip(rho)) = rho; rho = e^LOG_RATIO_CLAMP and 1.
+    np.testing.assert_allclose(loss.value, (np.exp(pg.LOG_RATIO_CLAMP) + 1) / 2, rtol=1e-6)
+    self.assertEqual(pg.LOG_RATIO_CLAMP, 20.0)
+    f = lambda lp: pg.clipped_surrogate_loss(lp, old, adv, mask, dual_clip=3.0)[0].value
+    np.testing.assert_allclose(f(logp), (3.0 + 1.0) / 2, rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(f)(logp), [[0.0, 0.5]], rtol=1e-6)
+    # The sequence ratio and the TIS weight are clamped the same way.
+    gspo = pg.gspo_loss(logp, old, adv, mask, eps_low=0.2)[0]
+    np.testing.assert_allclose(gspo.value, np.exp(pg.LOG_RATIO_CLAMP / 2), rtol=1e-5)  # exp(mean(20, 0))
+    tis = pg.clipped_surrogate_loss(jnp.zeros((1, 2)), old, jnp.array([1.0]), mask,
+                                    sampler_logp=jnp.array([[-100.0, 0.0]]))
+    np.testing.assert_allclose(tis[1]["tis_weight_mean"].value, (np.exp(pg.LOG_RATIO_CLAMP) + 1) / 2, rtol=1e-6)
+
+  def test_masked_inf_in_any_input_gives_no_nan(self):
+    # Regression: -inf at a masked position of logp with a finite ref_logp made k3's gradient NaN.
+    logp = jnp.array([[-1.0, -jnp.inf]])
+    finite = jnp.array([[-1.2, -0.5]])
+    mask = jnp.array([[1.0, 0.0]])
+    f = lambda lp: pg.grpo_loss(lp, finite, jnp.array([1.0]), mask, ref_logp=finite, kl_coef=0.1,
+                                sampler_logp=finite, tis_cap=2.0)[0].value
+    self.assertTrue(np.isfinite(f(logp)))
+    np.testing.assert_array_equal(np.isfinite(jax.grad(f)(logp)), [[True, True]])
+
+  @hypothesis.settings(max_examples=40, deadline=None, database=None, derandomize=True)
+  @hypothesis.given(batch=extreme_batch(bound=None), option=st.sampled_from(sorted(SURROGATE_OPTIONS)),
+                    aggregation=st.sampled_from(AGG_MODES))
+  def test_surrogate_finite_for_any_finite_log_probs(self, batch, option, aggregation):
+    logp, old, sampler, _, adv, mask = batch
+    kwargs = dict(SURROGATE_OPTIONS[option])
+    policy_loss = kwargs.pop("policy_loss", "ppo_clip")
+    if kwargs.pop("tis", False):
+      kwargs["sampler_logp"] = jnp.asarray(sampler)
+    loss_fn = functools.partial(losses.POLICY_LOSSES.get(policy_loss), old_logp=jnp.asarray(old),
+                                advantages=jnp.asarray(adv), mask=jnp.asarray(mask), aggregation=aggregation,
+                                **kwargs)
+    _assert_finite_loss_and_grad(loss_fn, logp)
+
+  @hypothesis.settings(max_examples=40, deadline=None, database=None, derandomize=True)
+  @hypothesis.given(batch=extreme_batch(bound=2.0**50), option=st.sampled_from(sorted(SURROGATE_OPTIONS)),
+                    aggregation=st.sampled_from(AGG_MODES), estimator=st.sampled_from(("k1", "k2", "k3")))
+  def test_grpo_loss_finite_with_kl_and_entropy(self, batch, option, aggregation, estimator):
+    # |log-probs| <= 2^50 keeps k1 and k2 = (2^51)^2 / 2 inside float32; k3's exponent is clamped.
+    logp, old, sampler, ref, adv, mask = batch
+    kwargs = dict(SURROGATE_OPTIONS[option])
+    if kwargs.pop("tis", False):
+      kwargs["sampler_logp"] = jnp.asarray(sampler)
+    entropy = jnp.abs(jnp.nan_to_num(jnp.asarray(ref), posinf=0.0, neginf=0.0)) * 1e-10
+    loss_fn = functools.partial(pg.grpo_loss, old_logp=jnp.asarray(old), advantages=jnp.asarray(adv),
+                                mask=jnp.asarray(mask), ref_logp=jnp.asarray(ref), kl_coef=0.1,
+                                kl_estimator=estimator, entropy=entropy, entropy_coef=0.01,
+                                aggregation=aggregation, **kwargs)
+    _assert_finite_loss_and_grad(loss_fn, logp)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Each policy loss's own defaults; SurrogateSettings and the rl config.
+# ---------------------------------------------------------------------------------------------------
+
+
+def rl_config(**overrides):
+  from lemon_rl.training.base_config import get_base_config  # pylint: disable=g-import-not-at-top
+  cfg = get_base_config().rl
+  for k, v in overrides.items():
+    cfg[k] = v
+  return cfg
+
+
+class PolicyLossDefaultsTest(parameterized.TestCase):
+
+  def test_every_policy_loss_has_defaults(self):
+    self.assertEqual(tuple(losses.POLICY_LOSS_DEFAULTS), losses.POLICY_LOSSES.names())
+    self.assertEqual(losses.POLICY_LOSS_DEFAULTS["ppo_clip"],
+                     losses.PolicyLossDefaults(0.2, 0.2, "token_mean"))
+    self.assertEqual(losses.POLICY_LOSS_DEFAULTS["gspo"],
+                     losses.PolicyLossDefaults(3e-4, 4e-4, "seq_mean_token_mean", takes_dual_clip=False))
+
+  def test_resolution_rules(self):
+    r = losses.resolve_surrogate_options
+    self.assertEqual(r("ppo_clip"), (0.2, 0.2, "token_mean"))
+    self.assertEqual(r("gspo"), (3e-4, 4e-4, "seq_mean_token_mean"))
+    self.assertEqual(r("ppo_clip", eps_low=0.3), (0.3, 0.3, "token_mean"))  # eps_low alone: symmetric
+    self.assertEqual(r("gspo", eps_high=1e-3), (3e-4, 1e-3, "seq_mean_token_mean"))
+    self.assertEqual(r("gspo", eps_low=0.2, aggregation="token_mean"), (0.2, 0.2, "token_mean"))
+    with self.assertRaisesRegex(KeyError, "registered: ppo_clip, gspo"):
+      r("ppo")
+    with self.assertRaisesRegex(KeyError, "unknown aggregation mode"):
+      r("ppo_clip", aggregation="mean")
+
+  def test_gspo_through_a_config_is_gspo(self):
+    # Regression: the shared rl config defaults (0.2, token_mean) silently replaced GSPO's own.
+    fields = surrogate.surrogate_fields_from_config(rl_config(policy_loss="gspo"))
+    self.assertEqual((fields["eps_low"], fields["eps_high"], fields["aggregation"]),
+                     (3e-4, 4e-4, "seq_mean_token_mean"))
+    settings = surrogate.SurrogateSettings(**fields)
+    self.assertEqual(settings, surrogate.SurrogateSettings(policy_loss="gspo", max_len=fields["max_len"]))
+    ppo = surrogate.SurrogateSettings(**surrogate.surrogate_fields_from_config(rl_config()))
+    self.assertEqual((ppo.eps_low, ppo.eps_high, ppo.aggregation), (0.2, 0.2, "token_mean"))
+    # Explicit config values are kept.
+    mine = surrogate.surrogate_fields_from_config(rl_config(policy_loss="gspo", eps_low=1e-3,
+                                                            aggregation="token_mean"))
+    self.assertEqual((mine["eps_low"], mine["eps_high"], mine["aggregation"]), (1e-3, 1e-3, "token_mean"))
+    # The loss the settings build is gspo_loss with its defaults.
+    logp, old, adv, mask = random_batch(13)
+    logp = (old + 1e-3 * np.sign(logp - old)).astype(np.float32)  # ratios around GSPO's tiny clip range
+    expected = pg.gspo_loss(logp, old, adv, mask)[0].value
+    np.testing.assert_allclose(pg.grpo_loss(logp, old, adv, mask, **settings.surrogate_kwargs())[0].value,
+                               expected, rtol=1e-6)
+    np.testing.assert_allclose(pg.grpo_loss(logp, old, adv, mask, policy_loss="gspo")[0].value, expected,
+                               rtol=1e-6)
+    self.assertNotAlmostEqual(
+        float(expected), float(pg.grpo_loss(logp, old, adv, mask, policy_loss="gspo", eps_low=0.2,
+                                            aggregation="token_mean")[0].value), places=4)
+
+  def test_gspo_rejects_dual_clip(self):
+    logp, old, adv, mask = random_batch(14)
+    for call in (lambda: pg.gspo_loss(logp, old, adv, mask, dual_clip=3.0),
+                 lambda: pg.grpo_loss(logp, old, adv, mask, policy_loss="gspo", dual_clip=3.0),
+                 lambda: surrogate.SurrogateSettings(policy_loss="gspo", dual_clip=3.0),
+                 lambda: surrogate.surrogate_fields_from_config(rl_config(policy_loss="gspo", dual_clip=3.0))):
+      with self.assertRaisesRegex(ValueError, "policy_loss='gspo' takes no dual_clip"):
+        call()
+    # ppo_clip keeps it, and passes it to the loss.
+    self.assertEqual(surrogate.SurrogateSettings(dual_clip=3.0).surrogate_kwargs()["dual_clip"], 3.0)
+
+  @parameterized.parameters(None, 0.0)
+  def test_use_tis_needs_a_cap(self, cap):
+    # Regression: use_tis=True with tis_cap unset silently deleted the sampler log-probs.
+    cfg = rl_config(use_tis=True, tis_cap=cap)
+    with self.assertRaisesRegex(ValueError, r"rl.use_tis=True needs rl.tis_cap > 0.*rl.tis_cap="):
+      surrogate.surrogate_fields_from_config(cfg)
+    from lemon_rl.training import rl as rl_lib  # pylint: disable=g-import-not-at-top
+    with self.assertRaisesRegex(ValueError, "rl.tis_cap"):
+      rl_lib.policy_loss_from_config(cfg)
+    self.assertEqual(rl_lib.policy_loss_from_config(rl_config(use_tis=True, tis_cap=2.0)).tis_cap, 2.0)
+    self.assertIsNone(rl_lib.policy_loss_from_config(rl_config(use_tis=False, tis_cap=cap)).tis_cap)
+
+  def test_settings_are_hashable_and_resolved(self):
+    a = surrogate.SurrogateSettings(policy_loss="gspo")
+    self.assertEqual(hash(a), hash(surrogate.SurrogateSettings(policy_loss="gspo", eps_low=3e-4, eps_high=4e-4,
+                                                                aggregation="seq_mean_token_mean")))
+    self.assertIs(surrogate.SurrogateSettings, losses.SurrogateSettings)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Coefficients as traced values.
+# ---------------------------------------------------------------------------------------------------
+
+STATIC = ("policy_loss", "kl_estimator", "aggregation", "max_len", "ratio_level")
+
+
+class TracedCoefficientTest(parameterized.TestCase):
+
+  @parameterized.parameters("ppo_clip", "gspo")
+  def test_jit_with_traced_coefficients(self, policy_loss):
+    # Regression: a traced kl_coef raised TracerBoolConversionError (so did dual_clip and tis_cap).
+    logp, old, adv, mask = random_batch(15)
+    ref = (logp - 0.2).astype(np.float32)
+    sampler = (old + 0.1).astype(np.float32)
+    ent = np.abs(logp).astype(np.float32)
+    coefs = dict(kl_coef=0.1, entropy_coef=0.01, eps_low=0.2, eps_high=0.28, tis_cap=1.5)
+    if policy_loss == "ppo_clip":
+      coefs["dual_clip"] = 3.0
+    traces = []
+
+    def counted(*args, **kwargs):
+      traces.append(1)
+      return pg.grpo_loss(*args, **kwargs)
+
+    jitted = jax.jit(counted, static_argnames=STATIC)
+    for scale in (1.0, 0.5):  # a KL / entropy schedule: new values, no new trace
+      scaled = {k: v * scale if k.endswith("_coef") else v for k, v in coefs.items()}
+      kwargs = dict(policy_loss=policy_loss, ref_logp=ref, entropy=ent, sampler_logp=sampler,
+                    aggregation="seq_mean_token_mean", max_len=8)
+      total, metrics = jitted(logp, old, adv, mask, **kwargs, **{k: jnp.float32(v) for k, v in scaled.items()})
+      eager_total, eager_metrics = pg.grpo_loss(logp, old, adv, mask, **kwargs, **scaled)
+      np.testing.assert_allclose(total.value, eager_total.value, rtol=1e-5)
+      np.testing.assert_allclose(metrics["pg_loss"].value, eager_metrics["pg_loss"].value, rtol=1e-5)
+    self.assertLen(traces, 1)
+
+  def test_traced_coefficient_needs_its_array(self):
+    logp, old, adv, mask = random_batch(16)
+    f = jax.jit(pg.grpo_loss)
+    with self.assertRaisesRegex(ValueError, "needs ref_logp"):
+      f(logp, old, adv, mask, kl_coef=jnp.float32(0.0))
+    with self.assertRaisesRegex(ValueError, "needs the per-token entropy"):
+      f(logp, old, adv, mask, entropy_coef=jnp.float32(0.0))
+    # Concrete zeros need nothing; concrete checks still run on jnp scalars.
+    pg.grpo_loss(logp, old, adv, mask, kl_coef=jnp.float32(0.0), entropy_coef=0)
+    with self.assertRaisesRegex(ValueError, "dual_clip"):
+      pg.grpo_loss(logp, old, adv, mask, dual_clip=jnp.float32(0.5))
 
 
 class RegistryTest(parameterized.TestCase):

@@ -1,13 +1,11 @@
-"""Data: tfds builders (array_record, no TensorFlow) and grain pipelines."""
+"""Data: task-independent grain pipelines, curriculum samplers and CAST's case library.
 
-from lemon_rl.data.arithmetic_builder import ArithmeticConfig
-from lemon_rl.data.arithmetic_builder import build_arithmetic
-from lemon_rl.data.arithmetic_builder import LemonArithmetic
-from lemon_rl.data.arithmetic_builder import make_config
+The tasks' own datasets (e.g. the arithmetic tfds builder, ``lemon_rl.envs.arithmetic_builder``) live with the
+tasks in ``lemon_rl.envs``, which import this package; nothing here imports ``lemon_rl.envs``.
+"""
+
 from lemon_rl.data.pipeline import BatchIterator
 from lemon_rl.data.pipeline import collate
 from lemon_rl.data.pipeline import decode_record
-from lemon_rl.data.pipeline import SFTTokenize
 
-__all__ = ["ArithmeticConfig", "BatchIterator", "LemonArithmetic", "SFTTokenize", "build_arithmetic", "collate",
-           "decode_record", "make_config"]
+__all__ = ["BatchIterator", "collate", "decode_record"]

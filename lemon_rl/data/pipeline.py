@@ -11,7 +11,8 @@ process -> shuffle with a seed (a new permutation every epoch) -> repeat -> batc
   it.set_state(state)       # resumes at exactly the same next batch
 
 Text fields (bytes in tfds records) come out as ``list[str]``; numeric fields as numpy arrays ``[B, ...]``.
-:class:`SFTTokenize` turns ``{prompt, completion}`` records into fixed-length token arrays for supervised training.
+Tokenisation happens in the trainers (``lemon_rl.training.sft.sft_batch``, the rollouts), on one
+``[prompt | completion]`` layout shared by SFT and RL.
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ from typing import Any, Callable, Mapping, Sequence
 
 import grain
 import numpy as np
-
-from lemon_rl.text.tokenizers import Tokenizer
 
 Batch = dict[str, Any]
 
@@ -72,7 +71,7 @@ class BatchIterator:
     shuffle: if False, records come in source order (e.g. for evaluation).
     num_epochs: ``None`` repeats forever; an int stops after that many passes (``StopIteration``).
     drop_remainder: drop a last incomplete batch (only matters with ``num_epochs``).
-    transform: optional function applied to each decoded record before batching (e.g. :class:`SFTTokenize`).
+    transform: optional function applied to each decoded record before batching.
     shard_index, num_shards: this process reads records ``shard_index::num_shards`` (multi-host data loading:
       ``jax.process_index()``, ``jax.process_count()``).
     num_threads, prefetch_batches: grain read options (threads reading ahead; 0 threads reads in the caller).
@@ -154,44 +153,3 @@ class BatchIterator:
     if self._iterator is not None and hasattr(self._iterator, "close"):
       self._iterator.close()
     self._iterator = None
-
-
-class SFTTokenize:
-  """Record ``{prompt, completion}`` -> fixed-length arrays for next-token SFT (a grain map transform).
-
-  Tokens: ``[BOS] prompt completion EOS`` right-padded with ``pad_id`` to ``max_length``. Outputs ``[T]`` int32:
-  ``input_ids``; ``attention_mask`` (1 on real tokens); ``loss_mask`` (1 on the completion and EOS, the tokens
-  the model is trained to emit: token ``t`` is predicted by the logits at ``t - 1``, so the next-token loss
-  uses ``loss_mask[:, 1:]`` against ``logits[:, :-1]``). Other fields of the record pass through. A sequence longer than
-  ``max_length`` raises ``ValueError`` (no silent truncation).
-  """
-
-  def __init__(self, tokenizer: Tokenizer, max_length: int, *, add_bos: bool = True,
-               prompt_field: str = "prompt", completion_field: str = "completion"):
-    self._tok = tokenizer
-    self._max_length = int(max_length)
-    self._add_bos = add_bos
-    self._fields = (prompt_field, completion_field)
-
-  def __call__(self, record: Mapping[str, Any]) -> dict[str, Any]:
-    prompt_field, completion_field = self._fields
-    for field in self._fields:
-      if field not in record:
-        raise KeyError(f"SFTTokenize: record has no field {field!r} (fields: {sorted(record)})")
-    prompt = self._tok.encode(record[prompt_field], add_bos=self._add_bos)
-    completion = self._tok.encode(record[completion_field], add_eos=True)
-    length = len(prompt) + len(completion)
-    if length > self._max_length:
-      raise ValueError(f"SFTTokenize: {length} tokens for prompt {record[prompt_field]!r} exceed "
-                       f"max_length={self._max_length}")
-    input_ids = np.full(self._max_length, self._tok.pad_id, np.int32)
-    input_ids[:length] = prompt + completion
-    attention_mask = np.zeros(self._max_length, np.int32)
-    attention_mask[:length] = 1
-    loss_mask = np.zeros(self._max_length, np.int32)
-    loss_mask[len(prompt):length] = 1
-    out = {k: v for k, v in record.items() if k not in self._fields}
-    out.update(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask)
-    out[prompt_field] = record[prompt_field]
-    out[completion_field] = record[completion_field]
-    return out

@@ -18,10 +18,10 @@ import dataclasses
 import os
 from typing import Any, Callable, Sequence
 
-from lemon_rl.losses.registry import Registry
 from lemon_rl.rewards.base import RewardFn
 from lemon_rl.rewards.combine import WeightedReward
 from lemon_rl.text import ByteTokenizer
+from lemon_rl.utils.registry import Registry
 
 
 @dataclasses.dataclass
@@ -43,6 +43,8 @@ class Task:
 
 TaskBuilder = Callable[[Any, str], Task]
 TASKS: Registry[TaskBuilder] = Registry("task")
+# A task's checks of its own config section (``check(config)`` raises ``ConfigError`` naming the field).
+TASK_CONFIG_CHECKS: Registry[Callable[[Any], None]] = Registry("task config check")
 
 
 def decoded(source, limit: int | None = None) -> list[dict[str, Any]]:
@@ -55,7 +57,7 @@ def decoded(source, limit: int | None = None) -> list[dict[str, Any]]:
 @TASKS.register("arithmetic")
 def arithmetic_task(cfg, data_dir: str) -> Task:
   """Multi-digit arithmetic with a sloppy teacher (``lemon_rl.envs.arithmetic``), stored as tfds array_record."""
-  from lemon_rl.data.arithmetic_builder import build_arithmetic  # pylint: disable=g-import-not-at-top
+  from lemon_rl.envs.arithmetic_builder import build_arithmetic  # pylint: disable=g-import-not-at-top
   from lemon_rl.envs import arithmetic  # pylint: disable=g-import-not-at-top
 
   builder = build_arithmetic(os.path.join(data_dir, "tfds"), seed=cfg.data_seed, num_train=cfg.num_train,
@@ -106,6 +108,12 @@ def fest_math_task(cfg, data_dir: str) -> Task:
       prompt_len=1 + multistep_math.prompt_length(hard_steps),  # BOS + the longest hard prompt.
       expert_source=multistep_math.expert_demonstrations(cfg.data_seed, cfg.num_shots),
   )
+
+
+@TASK_CONFIG_CHECKS.register("tool_use")
+def check_tool_use_config(config) -> None:
+  from lemon_rl.envs import tool_use_task as tut  # pylint: disable=g-import-not-at-top
+  tut.check_config(config)
 
 
 @TASKS.register("tool_use")

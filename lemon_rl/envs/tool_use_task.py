@@ -31,17 +31,20 @@ import numpy as np
 from absl import logging
 
 from lemon_rl.data import case_library as cl
+from lemon_rl.data.curriculum import MODES
 from lemon_rl.data.curriculum import CurriculumSampler
 from lemon_rl.data.curriculum import example_hardness
 from lemon_rl.data.pipeline import BatchIterator
 from lemon_rl.data.pipeline import collate
 from lemon_rl.envs import tool_use
 from lemon_rl.rewards.base import RewardOutput
+from lemon_rl.rewards.cast import THINK_MODES
 from lemon_rl.rewards.cast import CastReward
 from lemon_rl.rewards.combine import WeightedReward
 from lemon_rl.rewards.tool_calls import DIMENSIONS
 from lemon_rl.sampling import generate
-from lemon_rl.text.decoding import decode_completion
+from lemon_rl.text.decoding import decode_completion, encode_prompt
+from lemon_rl.utils import config_checks as cc
 
 DIFFICULTIES = ("easy", "hard")
 REWARDS = ("cast", "exact")
@@ -136,7 +139,7 @@ def sample_cases(model, tokenizer, examples: Sequence[Mapping[str, Any]], num_sa
   cases: list[cl.Case] = []
   for b, start in enumerate(range(0, len(rows), batch_size)):
     chunk = rows[start:start + batch_size]
-    prompt_ids = [tokenizer.encode(ex["prompt"], add_bos=True) for ex in chunk]
+    prompt_ids = [encode_prompt(tokenizer, ex["prompt"]) for ex in chunk]
     out = generate(model, prompt_ids, max_new_tokens, jax.random.fold_in(rng, b), temperature=temperature,
                    eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
     for i, ex in enumerate(chunk):
@@ -261,3 +264,39 @@ def prepare_rl(task_cfg, train_records: Sequence[Mapping[str, Any]], model, toke
                               mode=c.curriculum, num_stages=c.num_stages, total_steps=rl.steps,
                               seed=config.seed)
   return [WeightedReward("cast", reward, 1.0)], CurriculumIterator(train_records, sampler)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Config.
+
+
+def check_config(config) -> None:
+  """The ``tool_use`` task section (CAST): split sizes, category mix, reward and case-library options."""
+  task, rl = config.task, config.rl
+  cc.require_positive(task, "task", "num_sft", "num_train", "num_test", "max_prompt_bytes",
+                      "max_completion_bytes")
+  weights = dict(task.category_weights)
+  for k, v in weights.items():
+    cc.require(k in tool_use.CATEGORIES, f"task.category_weights.{k}", v,
+               f"unknown category; expected one of {', '.join(tool_use.CATEGORIES)}")
+    cc.require(isinstance(v, (int, float)) and v >= 0, f"task.category_weights.{k}", v, "must be >= 0")
+  cc.require(sum(weights.values()) > 0, "task.category_weights", weights, "must have a positive sum")
+  cc.require(task.style in tool_use.CALL_STYLES, "task.style", task.style,
+             f"must be one of {', '.join(tool_use.CALL_STYLES)}")
+  cc.require(task.reward in ("cast", "exact"), "task.reward", task.reward, "must be 'cast' or 'exact'")
+  cast = task.cast
+  cc.require_positive(cast, "task.cast", "num_samples", "temperature", "rollout_batch_size", "num_bins",
+                      "min_baseline", "weight_floor", "num_stages")
+  w = cast.score_hardness_weight
+  cc.require(isinstance(w, (int, float)) and 0 <= w <= 1, "task.cast.score_hardness_weight", w,
+             "must lie in [0, 1]")
+  cc.require(cast.weights in ("uniform", "failure_profile"), "task.cast.weights", cast.weights,
+             "must be 'uniform' or 'failure_profile'")
+  cc.require(cast.think_mode in THINK_MODES, "task.cast.think_mode", cast.think_mode,
+             f"must be one of {', '.join(THINK_MODES)}")
+  cc.require(cast.curriculum in MODES, "task.cast.curriculum", cast.curriculum,
+             f"must be one of {', '.join(MODES)}")
+  if rl.steps:
+    cc.require(rl.max_new_tokens > task.max_completion_bytes, "rl.max_new_tokens", rl.max_new_tokens,
+               f"must exceed task.max_completion_bytes={task.max_completion_bytes} (room for the demonstrated "
+               "length and EOS)")

@@ -9,7 +9,7 @@ import numpy as np
 
 from lemon_rl.rewards.base import as_reward_output
 from lemon_rl.sampling import generate
-from lemon_rl.text.decoding import decode_completion
+from lemon_rl.text.decoding import decode_completion, encode_prompt
 
 
 def evaluate(model, tokenizer, examples: Sequence[Mapping[str, Any]], reward_fn, max_new_tokens: int, *,
@@ -28,7 +28,7 @@ def evaluate(model, tokenizer, examples: Sequence[Mapping[str, Any]], reward_fn,
   key = jax.random.key(seed)
   for start in range(0, len(prompts), batch_size):
     chunk = slice(start, start + batch_size)
-    ids = [tokenizer.encode(p, add_bos=True) for p in prompts[chunk]]
+    ids = [encode_prompt(tokenizer, p) for p in prompts[chunk]]
     out = generate(model, ids, max_new_tokens, jax.random.fold_in(key, start), temperature=temperature,
                    eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
     completion_ids = [out.tokens[i, :out.lengths[i]].tolist() for i in range(len(ids))]

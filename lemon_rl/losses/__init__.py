@@ -5,8 +5,11 @@ Registries (config validation reads their ``names()``):
 - :data:`AGGREGATIONS`: ``token_mean``, ``seq_mean_token_mean``, ``seq_mean_token_sum``,
   ``seq_mean_token_sum_norm``;
 - :data:`KL_ESTIMATORS`: ``k1``, ``k2``, ``k3``;
-- :data:`POLICY_LOSSES`: ``ppo_clip``, ``gspo``;
+- :data:`POLICY_LOSSES`: ``ppo_clip``, ``gspo`` (each with its own defaults in :data:`POLICY_LOSS_DEFAULTS`);
 - :data:`ADVANTAGE_ESTIMATORS`: ``grpo``, ``dr_grpo``, ``rloo``, ``reinforce_pp_baseline``, ``gigpo``.
+
+:class:`SurrogateSettings` (``lemon_rl.losses.surrogate``) holds the clipped-surrogate fields of the trainers'
+losses. The registry class itself lives in :mod:`lemon_rl.utils.registry`.
 """
 
 from lemon_rl.losses.advantages import ADVANTAGE_ESTIMATORS
@@ -36,10 +39,15 @@ from lemon_rl.losses.policy_gradient import kl_k1
 from lemon_rl.losses.policy_gradient import kl_k2
 from lemon_rl.losses.policy_gradient import kl_k3
 from lemon_rl.losses.policy_gradient import kl_penalty
+from lemon_rl.losses.policy_gradient import LOG_RATIO_CLAMP
+from lemon_rl.losses.policy_gradient import POLICY_LOSS_DEFAULTS
 from lemon_rl.losses.policy_gradient import POLICY_LOSSES
+from lemon_rl.losses.policy_gradient import PolicyLossDefaults
+from lemon_rl.losses.policy_gradient import register_policy_loss
+from lemon_rl.losses.policy_gradient import resolve_surrogate_options
 from lemon_rl.losses.policy_gradient import seq_mean_token_mean
 from lemon_rl.losses.policy_gradient import seq_mean_token_sum
 from lemon_rl.losses.policy_gradient import seq_mean_token_sum_norm
 from lemon_rl.losses.policy_gradient import token_mean
-from lemon_rl.losses.registry import Registry
-from lemon_rl.losses.registry import UnknownNameError
+from lemon_rl.losses.surrogate import SurrogateSettings
+from lemon_rl.losses.surrogate import surrogate_fields_from_config

@@ -2,7 +2,8 @@
 
 Outcome estimators share one signature::
 
-    estimator(rewards [B], group_ids [B], num_groups, *, valid=None, **options) -> advantages [B]
+    estimator(rewards [B], group_ids [B], num_groups, *, valid=None, axis_name=None, **options)
+        -> advantages [B]
 
 ``group_ids`` are integers in ``[0, num_groups)`` (one id per prompt, so the
 ``G`` completions of a prompt share it); ``num_groups`` must be static under
@@ -11,8 +12,19 @@ optional) marks real rows: padding rows neither count in any statistic nor get
 an advantage (0). Everything is computed with segment sums, never Python loops
 over groups, and the results carry no gradient.
 
-:func:`gigpo` has its own, multi-turn signature (documented there). All five
-live in :data:`ADVANTAGE_ESTIMATORS`.
+``axis_name`` (optional): the name of a mapped axis (``jax.pmap``,
+``jax.shard_map``, ``jax.vmap(..., axis_name=...)``) over which the rows of the
+batch are split, e.g. the members of a group spread over devices. Group ids are
+then global, the group statistics (segment sums, counts and maxima, and
+REINFORCE++'s batch mean and std) are reduced across the axis
+(:mod:`lemon_rl.ops.segments`), and every device gets the advantages of its own
+rows as the single-device call on the whole batch would give them (up to
+float32 summation order).
+
+:func:`gigpo` has its own, multi-turn signature (documented there); its step
+groups are found with ``jnp.unique`` over the local rows, so the trajectories of
+a group must stay on one device (``axis_name`` raises). All five live in
+:data:`ADVANTAGE_ESTIMATORS`.
 """
 
 from __future__ import annotations
@@ -24,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from lemon_rl import ops
-from lemon_rl.losses.registry import Registry
+from lemon_rl.utils.registry import Registry
 
 Array = jax.Array
 
@@ -49,9 +61,10 @@ def _outcome_inputs(rewards: Array, group_ids: Array, num_groups: int,
 
 
 def _group_normalise(x: Array, group_ids: Array, num_groups: int, weights: Array, *,
-                     scale_by_std: bool, eps: float) -> Array:
+                     scale_by_std: bool, eps: float, axis_name=None) -> Array:
   """``(x - mean_g) / (std_g + eps)`` (unbiased std) or ``x - mean_g``; 0 for weight-0 rows."""
-  mean, std, _ = ops.segment_mean_std(x, group_ids, num_groups, weights=weights, ddof=1)
+  mean, std, _ = ops.segment_mean_std(x, group_ids, num_groups, weights=weights, ddof=1,
+                                      axis_name=axis_name)
   dev = x - mean[group_ids]
   if scale_by_std:
     dev = dev / (std[group_ids] + eps)
@@ -60,7 +73,7 @@ def _group_normalise(x: Array, group_ids: Array, num_groups: int, weights: Array
 
 @ADVANTAGE_ESTIMATORS.register("grpo")
 def grpo(rewards: Array, group_ids: Array, num_groups: int, *, eps: float = DEFAULT_EPS,
-         scale_by_std: bool = True, valid: Array | None = None) -> Array:
+         scale_by_std: bool = True, valid: Array | None = None, axis_name=None) -> Array:
   """GRPO group-relative advantage ``A_i = (r_i - mean_g r) / (std_g r + eps)``.
 
   ``std_g`` is the unbiased (N-1) group standard deviation and ``eps = 1e-6``,
@@ -75,36 +88,38 @@ def grpo(rewards: Array, group_ids: Array, num_groups: int, *, eps: float = DEFA
     eps: added to the std.
     scale_by_std: ``False`` gives Dr.GRPO (:func:`dr_grpo`).
     valid: optional ``[B]`` mask of real rows.
+    axis_name: optional mapped axis the rows are split over (module docstring).
 
   Returns:
     ``[B]`` float32 advantages.
   """
   r, w = _outcome_inputs(rewards, group_ids, num_groups, valid)
   return jax.lax.stop_gradient(
-      _group_normalise(r, group_ids, num_groups, w, scale_by_std=scale_by_std, eps=eps))
+      _group_normalise(r, group_ids, num_groups, w, scale_by_std=scale_by_std, eps=eps,
+                       axis_name=axis_name))
 
 
 @ADVANTAGE_ESTIMATORS.register("dr_grpo")
 def dr_grpo(rewards: Array, group_ids: Array, num_groups: int, *,
-            valid: Array | None = None) -> Array:
+            valid: Array | None = None, axis_name=None) -> Array:
   """Dr.GRPO (Liu et al. 2025): ``A_i = r_i - mean_g r`` (no std normalisation). ``[B] -> [B]``."""
-  return grpo(rewards, group_ids, num_groups, scale_by_std=False, valid=valid)
+  return grpo(rewards, group_ids, num_groups, scale_by_std=False, valid=valid, axis_name=axis_name)
 
 
 @ADVANTAGE_ESTIMATORS.register("rloo")
 def rloo(rewards: Array, group_ids: Array, num_groups: int, *,
-         valid: Array | None = None) -> Array:
+         valid: Array | None = None, axis_name=None) -> Array:
   """RLOO: ``A_i = r_i - (sum_g r - r_i) / (G - 1)``, the leave-one-out baseline.
 
   Equal to ``G / (G - 1) * (r_i - mean_g r)``. A group of one (no other member
   to form a baseline) gets 0. ``[B] -> [B]``.
   """
   r, w = _outcome_inputs(rewards, group_ids, num_groups, valid)
-  count = ops.segment_count(group_ids, num_groups, weights=w)
+  count = ops.segment_count(group_ids, num_groups, weights=w, axis_name=axis_name)
   # Deviations from a member of the group keep all-equal groups exactly at 0.
-  shift = ops.segment_max(r, group_ids, num_groups, weights=w)
+  shift = ops.segment_max(r, group_ids, num_groups, weights=w, axis_name=axis_name)
   dev = jnp.where(w > 0, r - shift[group_ids], 0.0)
-  dev_sum = ops.segment_sum(dev, group_ids, num_groups, weights=w)[group_ids]
+  dev_sum = ops.segment_sum(dev, group_ids, num_groups, weights=w, axis_name=axis_name)[group_ids]
   n = count[group_ids]
   others = jnp.where(n > 1, (dev_sum - dev) / jnp.where(n > 1, n - 1, 1), 0.0)
   adv = jnp.where((w > 0) & (n > 1), dev - others, 0.0)
@@ -114,7 +129,7 @@ def rloo(rewards: Array, group_ids: Array, num_groups: int, *,
 @ADVANTAGE_ESTIMATORS.register("reinforce_pp_baseline")
 def reinforce_pp_baseline(rewards: Array, group_ids: Array, num_groups: int, *,
                           eps: float = DEFAULT_EPS, valid: Array | None = None,
-                          batch_weights: Array | None = None) -> Array:
+                          batch_weights: Array | None = None, axis_name=None) -> Array:
   """REINFORCE++-baseline (Hu et al. 2025): group mean baseline, then batch normalisation.
 
     a_i = r_i - mean_g r;   A_i = (a_i - mean_batch a) / (std_batch a + eps)
@@ -129,18 +144,20 @@ def reinforce_pp_baseline(rewards: Array, group_ids: Array, num_groups: int, *,
       ``None`` counts every sequence once (*Decision*); pass the completion
       lengths to reproduce verl's token-level whitening, where a sequence
       counts once per token.
+    axis_name: optional mapped axis the rows are split over; the group and the
+      batch statistics are then those of every device's rows.
 
   Returns:
     ``[B]`` float32 advantages.
   """
   r, w = _outcome_inputs(rewards, group_ids, num_groups, valid)
-  a = _group_normalise(r, group_ids, num_groups, w, scale_by_std=False, eps=eps)
+  a = _group_normalise(r, group_ids, num_groups, w, scale_by_std=False, eps=eps, axis_name=axis_name)
   bw = w
   if batch_weights is not None:
     chex.assert_equal_shape([rewards, batch_weights])
     bw = w * jnp.asarray(batch_weights, jnp.float32)
   zeros = jnp.zeros(a.shape, jnp.int32)
-  mean, std, _ = ops.segment_mean_std(a, zeros, 1, weights=bw, ddof=1)
+  mean, std, _ = ops.segment_mean_std(a, zeros, 1, weights=bw, ddof=1, axis_name=axis_name)
   adv = (a - mean[0]) / (std[0] + eps)
   return jax.lax.stop_gradient(jnp.where(w > 0, adv, 0.0))
 
@@ -205,6 +222,7 @@ def gigpo(
     scale_by_std: bool = True,
     episode_stats: str = "trajectory",
     valid: Array | None = None,
+    axis_name=None,
 ) -> GiGPOAdvantages:
   """GiGPO: episode-level plus anchor-state step-level group advantages.
 
@@ -244,10 +262,20 @@ def gigpo(
     scale_by_std: ``F_norm`` = std (True) or 1 (False).
     episode_stats: ``"trajectory"`` or ``"step_row"`` (see above).
     valid: optional ``[N]`` mask of real trajectories.
+    axis_name: not supported (must be ``None``): step groups are found with
+      ``jnp.unique`` over the local rows, so every group's trajectories must
+      stay on one device. Shard whole groups and call :func:`gigpo` per device.
 
   Returns:
     A :class:`GiGPOAdvantages`.
+
+  Raises:
+    ValueError: ``axis_name`` is set, or ``episode_stats`` is unknown.
   """
+  if axis_name is not None:
+    raise ValueError(f"gigpo does not take axis_name (got {axis_name!r}): its step groups are found over "
+                     "the local rows, so the trajectories of a group must stay on one device; shard whole "
+                     "groups and call gigpo on each device without axis_name")
   if episode_stats not in EPISODE_STATS:
     raise ValueError(f"episode_stats must be one of {EPISODE_STATS}, got {episode_stats!r}")
   chex.assert_rank([episode_rewards, group_ids], 1)

@@ -16,6 +16,11 @@ frozen initial policy (*Decision*). Implicit rewards:
 - :func:`adaptive_beta`: ``beta1 / beta2 / beta3`` by the correctness of the group.
 - :func:`fest_dpo_loss`: ``c L_E + L_I``; :func:`fest_grpo_sft_term` and
   :func:`fest_grpo_loss`: ``c L_SFT(sg[w]) + L_GRPO``.
+
+Like every loss here, each returns an unreduced ``WeightedMetric(sum, denominator)``. The two combiners add
+means with different denominators, so their pair is ``(sum_k c_k S_k / D_k, share)``: the terms divided by
+their (global) denominators and the piece's share of the batch (1 for the whole batch; e.g. ``1 / M`` for
+each of ``M`` micro-batches), so that the pieces add up to ``(L, 1)``.
 """
 
 from __future__ import annotations
@@ -138,7 +143,7 @@ def semi_online_dpo_loss(policy_logp_pos: Array, ref_logp_pos: Array, policy_log
 
 def fest_dpo_loss(expert: WeightedMetric, rl: WeightedMetric, *, c: float = DEFAULT_C,
                   expert_denominator: Array | None = None,
-                  rl_denominator: Array | None = None) -> Array:
+                  rl_denominator: Array | None = None, share=1.0) -> WeightedMetric:
   """FEST-DPO total ``L = c * L_E + L_I``.
 
   Args:
@@ -148,11 +153,14 @@ def fest_dpo_loss(expert: WeightedMetric, rl: WeightedMetric, *, c: float = DEFA
     c: weight of ``L_E``.
     expert_denominator, rl_denominator: the *global* denominators when ``expert``
       and ``rl`` are micro-batch pieces (see :func:`lemon_rl.ops.sum_of_means`).
+    share: this piece's share of the batch, the returned denominator (1 for the
+      whole batch; shares of the pieces add up to 1).
 
   Returns:
-    Scalar loss.
+    ``WeightedMetric(c * S_E / D_E + S_I / D_I, share)``; its ``value`` is ``L``
+    for the whole batch, and the pieces of a batch add up to ``(L, 1)``.
   """
-  return _combine(expert, rl, c, expert_denominator, rl_denominator)
+  return _combine(expert, rl, c, expert_denominator, rl_denominator, share)
 
 
 def weighted_log_likelihood_loss(token_logp: Array, mask: Array, weight: Array, *,
@@ -237,7 +245,7 @@ def fest_grpo_sft_term(pos_token_logp: Array, pos_mask: Array, ref_logp_pos: Arr
 
 def fest_grpo_loss(sft: WeightedMetric, rl: WeightedMetric, *, c: float = DEFAULT_C,
                    sft_denominator: Array | None = None,
-                   rl_denominator: Array | None = None) -> Array:
+                   rl_denominator: Array | None = None, share=1.0) -> WeightedMetric:
   """FEST-GRPO total ``L = c * L_SFT + L_GRPO``.
 
   Args:
@@ -246,15 +254,17 @@ def fest_grpo_loss(sft: WeightedMetric, rl: WeightedMetric, *, c: float = DEFAUL
       rewards), one clipped token-level objective for both.
     c: weight of the SFT term.
     sft_denominator, rl_denominator: global denominators under micro-batching.
+    share: this piece's share of the batch (see :func:`fest_dpo_loss`).
 
   Returns:
-    Scalar loss.
+    ``WeightedMetric(c * S_SFT / D_SFT + S_GRPO / D_GRPO, share)``.
   """
-  return _combine(sft, rl, c, sft_denominator, rl_denominator)
+  return _combine(sft, rl, c, sft_denominator, rl_denominator, share)
 
 
-def _combine(first: WeightedMetric, second: WeightedMetric, c: float, den1, den2) -> Array:
+def _combine(first: WeightedMetric, second: WeightedMetric, c: float, den1, den2, share) -> WeightedMetric:
   if (den1 is None) != (den2 is None):
     raise ValueError("pass both global denominators or neither")
   dens = None if den1 is None else (den1, den2)
-  return ops.sum_of_means([first, second], [c, 1.0], dens)
+  total = ops.sum_of_means([first, second], [c, 1.0], dens)
+  return WeightedMetric(total, jnp.asarray(share, jnp.float32))

@@ -38,11 +38,62 @@ def _param(rngs: nnx.Rngs, shape, cfg: ModelConfig, logical_axes, init="normal")
 
 
 class KVCache(NamedTuple):
-  """Keys and values: ``L`` arrays of ``[B, K, S, D]`` each (one per layer, not stacked, so that a
-  decode step updates each layer's buffer in place without slicing a stacked array)."""
+  """Keys and values of ``L`` layers, ``[B, K, S, D]`` each, and the number of valid slots per row.
+
+  Row ``b``'s tokens lie contiguously in slots ``[0, lengths[b])`` in sequence order, so the token in
+  slot ``s`` has rotary position ``s`` and a query at position ``p`` attends to slots ``<= p``. Slots at
+  or beyond ``lengths[b]`` hold stale values that nothing reads; rolling a row back
+  (:meth:`truncate`) therefore only lowers its length. The layer buffers are separate arrays (not one
+  stacked array) so that an append updates each in place without slicing.
+
+  Attributes:
+    keys: ``L`` arrays ``[B, K, S, D]`` of rotated keys.
+    values: ``L`` arrays ``[B, K, S, D]``.
+    lengths: ``[B]`` int32, valid slots per row (``0 <= lengths <= S``).
+  """
 
   keys: tuple[jax.Array, ...]
   values: tuple[jax.Array, ...]
+  lengths: jax.Array
+
+  @property
+  def num_slots(self) -> int:
+    """``S``, the capacity of every row."""
+    return self.keys[0].shape[2]
+
+  def truncate(self, lengths: jax.Array) -> "KVCache":
+    """Rolls every row back to ``min(lengths, self.lengths)`` valid slots (``lengths [B]`` int).
+
+    Pure and O(1): the buffers are untouched, the slots beyond the new lengths simply stop being read
+    and are overwritten by the next append. Speculative decoding appends ``k`` drafted tokens, then
+    keeps the accepted ones with ``cache.truncate(old_lengths + num_accepted)``. Never lengthens a row.
+    """
+    lengths = jnp.broadcast_to(jnp.asarray(lengths, jnp.int32), self.lengths.shape)
+    return self._replace(lengths=jnp.minimum(lengths, self.lengths))
+
+  def tile(self, n: int) -> "KVCache":
+    """Repeats every row ``n`` times along the batch: row ``b`` becomes rows ``[b*n, (b+1)*n)``.
+
+    Prefix sharing: prefill ``P`` prompts once, tile by the group size ``G`` and sample ``P*G``
+    completions (the layout of GRPO groups, each prompt's ``G`` samples consecutive).
+    """
+    rep = lambda x: jnp.repeat(x, n, axis=0)
+    return KVCache(tuple(map(rep, self.keys)), tuple(map(rep, self.values)), rep(self.lengths))
+
+
+def _write_rows(buffer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+  """``buffer[b, :, start[b]:start[b]+k] = new[b]`` for every row; ``buffer [B, K, S, D]``, ``new [B, K, k, D]``.
+
+  One scatter whose windows are whole rows (as ``vmap`` of ``dynamic_update_slice`` lowers to) but in
+  ``FILL_OR_DROP`` mode: a row whose window does not fit in ``S`` is left untouched instead of being
+  shifted back onto its valid slots.
+  """
+  b = buffer.shape[0]
+  indices = jnp.stack([jnp.arange(b, dtype=jnp.int32), start.astype(jnp.int32)], axis=-1)
+  dims = jax.lax.ScatterDimensionNumbers(update_window_dims=(1, 2, 3), inserted_window_dims=(0,),
+                                         scatter_dims_to_operand_dims=(0, 2))
+  return jax.lax.scatter(buffer, indices, new.astype(buffer.dtype), dims, indices_are_sorted=True,
+                         unique_indices=True, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -332,27 +383,43 @@ class Transformer(nnx.Module):
     return constrain(logits, ("batch", "vocab")).reshape(b, t, -1)
 
   # -- cached generation ----------------------------------------------------------------------------------
+  #
+  # One layout for every cached use (sampling, speculative verification, multi-turn episodes, shared
+  # prompts): each row's tokens are contiguous from slot 0 (left-aligned), ``cache.lengths`` says how many
+  # are valid, :meth:`extend` appends ``k`` tokens per row, ``KVCache.truncate`` rolls rows back and
+  # ``KVCache.tile`` repeats a prefilled prefix. Methods return final-norm hidden states; apply
+  # :meth:`logits_from_hidden` (or :meth:`value_from_hidden`) to them.
 
   def init_cache(self, batch: int, num_slots: int) -> KVCache:
+    """An empty cache (every length 0) of ``num_slots`` slots per row."""
     cfg = self.cfg
     shape = (batch, cfg.num_kv_heads, num_slots, cfg.head_dim)
     zeros = tuple(jnp.zeros(shape, cfg.jnp_dtype) for _ in range(cfg.num_layers))
-    return KVCache(zeros, zeros)
+    return KVCache(zeros, zeros, jnp.zeros((batch,), jnp.int32))
 
   def prefill(self, input_ids: jax.Array, attention_mask: jax.Array, num_slots: int):
-    """Runs the prompt and fills cache slots ``[0, P)``.
+    """Runs left-aligned (right-padded) prompts and writes them into cache slots ``[0, length)``.
+
+    Equal to ``extend(input_ids, init_cache(B, num_slots), num_new=lengths)`` but computed with the
+    full-sequence causal attention (no attention to the empty slots beyond ``P``).
 
     Args:
-      input_ids: ``[B, P]`` left-padded prompts.
-      attention_mask: ``[B, P]``.
-      num_slots: cache length ``S >= P`` (prompt + new tokens).
+      input_ids: ``[B, P]`` prompts, each left-aligned: row ``b``'s tokens at ``[0, lengths[b])`` and
+        padding after them.
+      attention_mask: ``[B, P]``, 1 on a prefix of each row (``lengths = attention_mask.sum(-1)``, at
+        least 1); a mask with holes or left padding is not supported (positions would be wrong).
+      num_slots: cache capacity ``S >= P`` (prompt + every token to be appended).
 
     Returns:
-      ``(last_hidden [B, E], cache)``: the final-norm hidden state of the last prompt position.
+      ``(last_hidden [B, E], cache)``: the final-norm hidden state of each row's last real token, and
+      the cache with ``lengths`` = the prompt lengths.
     """
     b, p = input_ids.shape
+    if num_slots < p:
+      raise ValueError(f"num_slots ({num_slots}) must be >= the prompt length ({p})")
     mask = attention_mask.astype(bool)
-    positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
+    lengths = jnp.sum(mask, axis=-1, dtype=jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     rope = rope_tables(positions, rope_inverse_frequencies(self.cfg))
     x2 = self.embed_tokens(input_ids)
     keys, values = [], []
@@ -363,38 +430,51 @@ class Transformer(nnx.Module):
       x2 = block.finish(x2, causal_attention(q, k, v, mask).reshape(b * p, -1))
       keys.append(jnp.pad(k, pad))
       values.append(jnp.pad(v, pad))
-    last = x2.reshape(b, p, -1)[:, -1]
+    last_index = jnp.maximum(lengths - 1, 0)[:, None, None]
+    last = jnp.take_along_axis(x2.reshape(b, p, -1), last_index, axis=1)[:, 0]
     last = rms_norm(last, self.final_norm[...].astype(last.dtype), self.cfg.rms_norm_eps)
-    return last, KVCache(tuple(keys), tuple(values))
+    return last, KVCache(tuple(keys), tuple(values), lengths)
 
-  def decode_step(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, slot: jax.Array,
-                  slot_mask: jax.Array):
-    """One token per row, attending to the cache.
+  def extend(self, tokens: jax.Array, cache: KVCache, num_new: jax.Array | None = None):
+    """Appends ``k`` tokens to every row in one forward: plain decoding (``k = 1``), speculative
+    verification of ``k`` drafted tokens, or a new turn of an episode.
+
+    Row ``b``'s tokens go to slots ``[lengths[b], lengths[b] + k)`` with rotary positions equal to their
+    slots; token ``j`` attends to the row's valid prefix and to new tokens ``0..j`` (causal). Size the
+    cache so that ``lengths + k <= S``: a row without room for all ``k`` tokens is left unchanged
+    (nothing written, length kept; its hidden states are meaningless) rather than having its valid
+    slots overwritten.
 
     Args:
-      tokens: ``[B]`` token ids written at cache slot ``slot`` (same for every row).
-      positions: ``[B]`` rotary positions of ``tokens``.
-      cache: ``KVCache`` of ``L`` arrays ``[B, K, S, D]``.
-      slot: scalar int, the slot to write.
-      slot_mask: ``[B, S]`` bool, which slots hold real tokens (``slot`` included).
+      tokens: ``[B, k]`` int token ids.
+      cache: the cache to extend (donate it under ``jit`` so the buffers are updated in place).
+      num_new: optional ``[B]`` int in ``[0, k]``: how many of the ``k`` tokens of each row are real.
+        Only the first ``num_new[b]`` count (``lengths += num_new``); the others are still computed and
+        written but lie beyond the new length, exactly as if they had been truncated. Default ``k``.
 
     Returns:
-      ``(hidden [B, E], cache)`` with final-norm hidden states.
+      ``(hidden [B, k, E], cache)``: final-norm hidden states of the ``k`` positions (those past
+      ``num_new`` are finite but meaningless) and the cache with the new lengths.
     """
-    b = tokens.shape[0]
-    rope = rope_tables(positions[:, None], rope_inverse_frequencies(self.cfg))
-    x2 = self.embed_tokens(tokens[:, None])
-    allowed = slot_mask[:, None, :]
+    b, k = tokens.shape
+    s = cache.num_slots
+    start = cache.lengths.astype(jnp.int32)
+    positions = start[:, None] + jnp.arange(k, dtype=jnp.int32)  # [B, k]: slots = rotary positions
+    rope = rope_tables(positions, rope_inverse_frequencies(self.cfg))
+    allowed = jnp.arange(s, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]  # [B, k, S]
+    x2 = self.embed_tokens(tokens)
     keys, values = [], []
-    for block, layer_keys, layer_values in zip(self.blocks, *cache):
-      q, k, v = block.project_qkv(x2, b, rope)
-      layer_keys = jax.lax.dynamic_update_slice(layer_keys, k.transpose(0, 2, 1, 3), (0, 0, slot, 0))
-      layer_values = jax.lax.dynamic_update_slice(layer_values, v.transpose(0, 2, 1, 3), (0, 0, slot, 0))
-      x2 = block.finish(x2, grouped_attention(q, layer_keys, layer_values, allowed).reshape(b, -1))
+    for block, layer_keys, layer_values in zip(self.blocks, cache.keys, cache.values):
+      q, new_k, new_v = block.project_qkv(x2, b, rope)  # new_k, new_v [B, k, K, D]
+      layer_keys = _write_rows(layer_keys, new_k.transpose(0, 2, 1, 3), start)
+      layer_values = _write_rows(layer_values, new_v.transpose(0, 2, 1, 3), start)
+      x2 = block.finish(x2, grouped_attention(q, layer_keys, layer_values, allowed).reshape(b * k, -1))
       keys.append(layer_keys)
       values.append(layer_values)
-    hidden = rms_norm(x2, self.final_norm[...].astype(x2.dtype), self.cfg.rms_norm_eps)
-    return hidden, KVCache(tuple(keys), tuple(values))
+    hidden = rms_norm(x2, self.final_norm[...].astype(x2.dtype), self.cfg.rms_norm_eps).reshape(b, k, -1)
+    added = k if num_new is None else jnp.clip(jnp.asarray(num_new, jnp.int32), 0, k)
+    lengths = jnp.where(start + k <= s, start + added, start)  # a row without room was not written
+    return hidden, KVCache(tuple(keys), tuple(values), lengths)
 
 
 def param_logical_axes(model: Transformer) -> Any:

@@ -2,9 +2,11 @@
 
 - masked reductions: :func:`masked_sum`, :func:`masked_mean`, :func:`safe_divide`;
 - additive metrics: :class:`WeightedMetric` ``(sum, denominator)``, :class:`MinMetric`,
-  :class:`MaxMetric`, :func:`sum_of_means`;
+  :class:`MaxMetric`, :func:`sum_of_means`; :func:`merge_metrics` (two dicts) and
+  :func:`reduce_metrics` (across a named device axis: psum / pmin / pmax);
 - segment (group) statistics over integer ids: :func:`segment_count`, :func:`segment_mean`,
-  :func:`segment_std` (unbiased), :func:`broadcast_to_members`;
+  :func:`segment_std` (unbiased), :func:`broadcast_to_members`; each takes an optional ``axis_name``
+  to reduce across devices that hold parts of the groups;
 - :func:`token_log_probs` and :func:`entropy_from_logits`.
 """
 
@@ -19,6 +21,8 @@ from lemon_rl.ops.reductions import merge_metrics
 from lemon_rl.ops.reductions import Metric
 from lemon_rl.ops.reductions import metric_values
 from lemon_rl.ops.reductions import MinMetric
+from lemon_rl.ops.reductions import reduce_metric
+from lemon_rl.ops.reductions import reduce_metrics
 from lemon_rl.ops.reductions import safe_divide
 from lemon_rl.ops.reductions import sum_of_means
 from lemon_rl.ops.reductions import weighted_metric

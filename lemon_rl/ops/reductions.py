@@ -144,6 +144,30 @@ def merge_metrics(a: Mapping[str, Metric], b: Mapping[str, Metric]) -> dict[str,
   return {k: a[k] + b[k] for k in a}
 
 
+def reduce_metric(metric: Metric, axis_name) -> Metric:
+  """One metric combined across the named mapped axis ``axis_name`` (``pmap``, ``shard_map``, ``vmap``).
+
+  :class:`WeightedMetric`: ``psum`` of the sum and of the denominator; :class:`MinMetric`: ``pmin``;
+  :class:`MaxMetric`: ``pmax`` (a ``psum`` would add the extrema). Every device gets the result.
+  """
+  if isinstance(metric, WeightedMetric):
+    return WeightedMetric(*jax.lax.psum((metric.sum, metric.denominator), axis_name))
+  if isinstance(metric, MinMetric):
+    return MinMetric(jax.lax.pmin(metric.min, axis_name))
+  if isinstance(metric, MaxMetric):
+    return MaxMetric(jax.lax.pmax(metric.max, axis_name))
+  raise TypeError(f"not a metric (WeightedMetric, MinMetric or MaxMetric): {type(metric).__name__}")
+
+
+def reduce_metrics(metrics: Mapping[str, Metric], axis_name) -> dict[str, Metric]:
+  """A metrics dict combined across the named mapped axis, each metric by its own rule (:func:`reduce_metric`).
+
+  The cross-device counterpart of :func:`merge_metrics`: inside ``jax.pmap(..., axis_name="i")`` or
+  ``jax.shard_map``, ``reduce_metrics(metrics, "i")`` gives every device the metrics of the whole batch.
+  """
+  return {k: reduce_metric(m, axis_name) for k, m in metrics.items()}
+
+
 def metric_values(metrics: Mapping[str, Metric]) -> dict[str, Array]:
   """``{name: metric.value}``."""
   return {k: m.value for k, m in metrics.items()}

@@ -1,3 +1,5 @@
-"""Sampling from the decoder: the jitted generate loop (and, later, speculative decoding)."""
+"""Sampling from the decoder: the jitted generate loop, the sampling distribution it draws from (shared with
+the learner), and, later, speculative decoding."""
 
-from lemon_rl.sampling.sampler import SampleOutput, filter_logits, generate, left_pad, prompt_bucket
+from lemon_rl.sampling.distribution import filter_logits, sample, sampling_log_probs, sampling_logits
+from lemon_rl.sampling.sampler import SampleOutput, generate, left_pad, prompt_bucket, right_pad

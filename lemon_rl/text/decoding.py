@@ -1,4 +1,4 @@
-"""Turning sampled completion ids into the text reward functions see."""
+"""Prompts into token ids, and sampled completion ids into the text reward functions see."""
 
 from __future__ import annotations
 
@@ -16,3 +16,12 @@ def decode_completion(tokenizer, ids: Sequence[int]) -> str:
   while ids and ids[-1] in stop:
     ids.pop()
   return tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+  """The token ids a prompt is sampled and trained from: BOS first when the tokenizer has one.
+
+  Llama-style tokenizers declare a BOS that every sequence starts with; others (Qwen2) have none, so the
+  prompt is the text's ids alone. Every trainer, evaluation and sampler call encodes prompts here.
+  """
+  return tokenizer.encode(text, add_bos=tokenizer.bos_id is not None)

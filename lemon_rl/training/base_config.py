@@ -1,6 +1,6 @@
 """The sections every experiment config shares, with their defaults (those of the default experiment).
 
-``get_base_config()`` returns a ``ConfigDict`` with ``seed``, ``data_dir``, ``tensorboard`` and the ``model``,
+``get_base_config()`` returns a ``ConfigDict`` with ``seed``, ``data_dir``, ``tensorboard``, ``phases`` and the ``model``,
 ``mesh``, ``sft``, ``rl``, ``eval`` and ``checkpoint`` sections read by :func:`lemon_rl.training.experiment.run`.
 An experiment config (``configs/*.py``) adds its ``task`` section (and any method section, e.g. ``fest``) and
 overrides the values it needs; every field is documented here, once.
@@ -14,6 +14,9 @@ def get_base_config() -> config_dict.ConfigDict:
   c.seed = 0  # Seeds the model init, data order and sampling.
   c.data_dir = ""  # Where tfds data is written; "" = <workdir>/data.
   c.tensorboard = True  # Also write TensorBoard event files under <workdir>/tb.
+  # The phases run in order, each a section of this config and a builder in lemon_rl.training.phases.PHASES
+  # (a phase whose `steps` is 0 is skipped); each starts from the parameters the previous one ended with.
+  c.phases = ("sft", "rl")
 
   c.model = config_dict.ConfigDict()
   c.model.preset = "tiny"  # lemon_rl.models.config preset: d 128, 2 layers, 4 heads (2 KV), MLP 512.
@@ -45,10 +48,12 @@ def get_base_config() -> config_dict.ConfigDict:
   c.rl.top_p = 1.0  # 1.0 = off.
   c.rl.advantage_estimator = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp_baseline (lemon_rl.losses).
   c.rl.policy_loss = "ppo_clip"  # ppo_clip | gspo.
-  c.rl.eps_low = 0.2  # Clip range below 1.
-  c.rl.eps_high = config_dict.placeholder(float)  # Clip range above 1 (None = eps_low).
+  # eps_low / eps_high / aggregation: None = the policy loss's default (lemon_rl.losses.POLICY_LOSS_DEFAULTS:
+  # ppo_clip 0.2 / 0.2, token_mean; gspo 3e-4 / 4e-4, seq_mean_token_mean).
+  c.rl.eps_low = config_dict.placeholder(float)  # Clip range below 1.
+  c.rl.eps_high = config_dict.placeholder(float)  # Clip range above 1 (None = eps_low if set, else the default).
   c.rl.dual_clip = config_dict.placeholder(float)  # Dual-clip constant c > 1 (None = off).
-  c.rl.aggregation = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum | ..._sum_norm.
+  c.rl.aggregation = config_dict.placeholder(str)  # token_mean | seq_mean_token_mean | seq_mean_token_sum[_norm].
   c.rl.max_len = config_dict.placeholder(int)  # Constant of seq_mean_token_sum_norm (None = max_new_tokens).
   c.rl.kl_coef = 0.0  # KL to the frozen SFT policy (0 = no reference model is kept).
   c.rl.kl_estimator = "k3"  # k1 | k2 | k3.

@@ -1,12 +1,10 @@
-"""An experiment: build the task and model, SFT warm-up, then RL; resumable, logged, summarised.
+"""An experiment: build the task and model, run the config's phases in order; resumable, logged, summarised.
 
-``run(config, workdir)`` is what ``python -m experiments.main`` calls. Phases (each skipped when its
-``steps`` is 0):
-
-1. ``sft``: masked NLL on demonstrations, from a random init.
-2. ``rl``: the GRPO-family trainer, from the SFT parameters, with a fresh optimizer. A task with a
-   ``prepare_rl`` hook (:class:`lemon_rl.envs.tasks.Task`) builds the RL rewards and data iterator from
-   the SFT policy first (CAST: the case library and its profiles).
+``run(config, workdir)`` is what ``python -m experiments.main`` calls. ``config.phases`` names the phases
+(each a config section and a builder in :data:`lemon_rl.training.phases.PHASES`; skipped when its ``steps``
+is 0), e.g. ``("sft", "rl")``: masked NLL on demonstrations from a random init, then the RL algorithm
+``rl.algorithm`` from the SFT parameters with a fresh optimizer. Each phase starts from the parameters the
+previous one ended with.
 
 Each phase checkpoints into ``workdir/checkpoints/<phase>`` (parameters, optimizer state, step, PRNG key,
 data-iterator position, elapsed time). Re-running on the same ``workdir`` resumes from the latest committed
@@ -28,17 +26,13 @@ from absl import logging
 from flax import nnx
 from tqdm import tqdm
 
-from lemon_rl.data.pipeline import BatchIterator
 from lemon_rl.envs.tasks import TASKS, Task
 from lemon_rl.eval import evaluate
 from lemon_rl.models import Transformer, activation_sharding, get_preset, make_mesh, shard_model
-from lemon_rl.training import fest as fest_lib
-from lemon_rl.training import state as state_lib
 from lemon_rl.training.checkpoint import Checkpointer
 from lemon_rl.training.config_validation import validate_config
 from lemon_rl.training.metrics import MetricsWriter, plot_curves, read_records
-from lemon_rl.training.rl import RLTrainer, advantage_variance
-from lemon_rl.training.sft import SFTTrainer
+from lemon_rl.training.phases import PHASES, Phase, PhaseContext
 
 PREEMPTED_EXIT_CODE = 143
 
@@ -90,8 +84,8 @@ def _abstract(tree):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
-class _Phase:
-  """The loop shared by SFT and RL: resume, step, log, evaluate, checkpoint, honour SIGTERM."""
+class _PhaseRunner:
+  """The loop every phase shares: resume, step, log, evaluate, checkpoint, honour SIGTERM."""
 
   def __init__(self, name: str, config, workdir: str, writer: MetricsWriter, sigterm: _SigtermFlag):
     self.name = name
@@ -101,8 +95,9 @@ class _Phase:
     self.ckpt = Checkpointer(os.path.join(workdir, "checkpoints", name),
                              max_to_keep=config.checkpoint.max_to_keep, async_save=config.checkpoint.async_save)
 
-  def run(self, state, iterator: BatchIterator, steps: int, step_fn: Callable, eval_fn: Callable,
-          eval_every: int, postfix_keys: tuple[str, ...]):
+  def run(self, phase: Phase, eval_fn: Callable):
+    """Runs (or resumes) ``phase``; returns ``(final state, elapsed seconds)``."""
+    state, iterator, steps, eval_every = phase.state, phase.iterator, phase.steps, phase.eval_every
     start, elapsed = 0, 0.0
     latest = self.ckpt.latest_step()
     if latest is not None:
@@ -117,7 +112,7 @@ class _Phase:
     bar = tqdm(total=steps, initial=start, desc=self.name, dynamic_ncols=True, mininterval=1.0)
     for step in range(start + 1, steps + 1):
       t0 = time.perf_counter()
-      state, metrics = step_fn(state, rows(next(iterator)))
+      state, metrics = phase.step(state, rows(next(iterator)))
       jax.block_until_ready(state)  # Dispatch is asynchronous: time the computation, not its launch.
       elapsed += time.perf_counter() - t0
       metrics["time/elapsed_s"] = elapsed
@@ -125,7 +120,7 @@ class _Phase:
       if (eval_every and step % eval_every == 0) or step == steps:
         record.update(self._evaluate(state, step, eval_fn))
       bar.set_postfix({k.split("/")[-2] if k.count("/") > 1 else k.split("/")[-1]: f"{record[k]:.3g}"
-                       for k in postfix_keys if isinstance(record.get(k), float)}, refresh=False)
+                       for k in phase.progress_keys if isinstance(record.get(k), float)}, refresh=False)
       bar.update(1)
       if step % self.config.checkpoint.every == 0 or step == steps or self.sigterm.raised:
         self.ckpt.save(step, state, {"data": iterator.get_state(), "phase_step": step, "elapsed_s": elapsed})
@@ -165,102 +160,23 @@ def run(config, workdir: str, final_eval: Callable[[nnx.Module, Task], dict[str,
   model = shard_model(build_model(config, task.tokenizer.vocab_size), mesh)
   writer = MetricsWriter(workdir, tensorboard=config.tensorboard)
   graphdef = nnx.graphdef(model)
-  tok = task.tokenizer
   test = task.test_examples[:config.eval.num_examples]
 
   def eval_fn(state):
-    metrics, _ = evaluate(nnx.merge(graphdef, state.params), tok, test, task.eval_reward, task.max_new_tokens,
-                          batch_size=config.eval.batch_size)
+    metrics, _ = evaluate(nnx.merge(graphdef, state.params), task.tokenizer, test, task.eval_reward,
+                          task.max_new_tokens, batch_size=config.eval.batch_size)
     return metrics
 
-  params = nnx.state(model, nnx.Param)
   phase_times = {}
   with activation_sharding(mesh, model.cfg.axis_rules), _SigtermFlag() as sigterm:
-    if config.sft.steps:
-      sft = config.sft
-      optimizer = state_lib.make_optimizer(sft.learning_rate, sft.steps, sft.warmup_steps, sft.weight_decay,
-                                           sft.max_grad_norm)
-      graphdef, state = state_lib.create_train_state(model, optimizer, config.seed)
-      trainer = SFTTrainer(graphdef, optimizer, tok, task.max_completion_len, sft.microbatch_size,
-                           task.prompt_len)
-
-      def sft_step(state, examples):
-        state, metrics, _ = trainer.step(state, examples)
-        return state, metrics
-
-      phase = _Phase("sft", config, workdir, writer, sigterm)
-      iterator = BatchIterator(task.sft_source, batch_size=sft.batch_size, seed=config.seed)
-      state, phase_times["sft"] = phase.run(state, iterator, sft.steps, sft_step, eval_fn, sft.eval_every,
-                                            ("train/loss", "eval/accuracy"))
-      phase.close()
-      params = state.params
-      nnx.update(model, params)
-    expert_sft = config.get("expert_sft")
-    if expert_sft is not None and expert_sft.steps:  # SFT on the few expert demonstrations (FEST's D_E).
-      if task.expert_source is None:
-        raise ValueError(f"config.expert_sft.steps={expert_sft.steps} needs a task with expert demonstrations; "
-                         f"task {config.task.name!r} has none")
-      optimizer = state_lib.make_optimizer(expert_sft.learning_rate, expert_sft.steps, expert_sft.warmup_steps,
-                                           expert_sft.weight_decay, expert_sft.max_grad_norm)
-      graphdef, state = state_lib.create_train_state(model, optimizer, config.seed + 2)
-      # Expert solutions are longer than the easy demonstrations: pad them to the sampling length.
-      trainer = SFTTrainer(graphdef, optimizer, tok, task.max_new_tokens, None, task.prompt_len)
-
-      def expert_sft_step(state, examples):
-        state, metrics, _ = trainer.step(state, examples)
-        return state, metrics
-
-      phase = _Phase("expert_sft", config, workdir, writer, sigterm)
-      iterator = BatchIterator(task.expert_source, batch_size=expert_sft.batch_size, seed=config.seed)
-      state, phase_times["expert_sft"] = phase.run(state, iterator, expert_sft.steps, expert_sft_step, eval_fn,
-                                                   expert_sft.eval_every, ("train/loss", "eval/accuracy"))
-      phase.close()
-      params = state.params
-      nnx.update(model, params)
-    if config.rl.steps:
-      rl = config.rl
-      updates_per_step = rl.num_iterations * (rl.prompts_per_step * rl.num_generations //
-                                              (rl.minibatch_size or rl.prompts_per_step * rl.num_generations))
-      optimizer = state_lib.make_optimizer(rl.learning_rate, rl.steps * updates_per_step,
-                                           rl.warmup_steps * updates_per_step, rl.weight_decay,
-                                           rl.max_grad_norm, schedule=rl.lr_schedule)
-      graphdef, state = state_lib.create_train_state(model, optimizer, config.seed + 1)
-      algorithm = rl.get("algorithm", "grpo")
-      fest = algorithm in fest_lib.FEST_ALGORITHMS
-      ref_params = jax.tree.map(jnp.copy, params) if rl.kl_coef or fest else None
-      if fest:  # Two streams: D_I (answers only) and D_E (expert solutions), positions checkpointed.
-        if task.expert_source is None:
-          raise ValueError(f"config.rl.algorithm={algorithm!r} needs a task with expert demonstrations; "
-                           f"task {config.task.name!r} has none")
-        rewards = task.rewards
-        iterator = fest_lib.TwoStreamIterator(
-            BatchIterator(task.rl_source, batch_size=rl.prompts_per_step, seed=config.seed),
-            BatchIterator(task.expert_source, batch_size=config.fest.expert_prompts_per_step,
-                          seed=config.seed))
-      elif task.prepare_rl is not None:  # Rewards / data order that depend on the SFT policy (e.g. CAST).
-        rewards, iterator = task.prepare_rl(model, tok, workdir, config)
-      else:
-        rewards = task.rewards
-        iterator = BatchIterator(task.rl_source, batch_size=rl.prompts_per_step, seed=config.seed)
-      if fest:
-        trainer = fest_lib.FestTrainer(graphdef, optimizer, tok, rewards, rl, config.fest, algorithm,
-                                       ref_params, prompt_len=task.prompt_len)
-      else:
-        trainer = RLTrainer(graphdef, optimizer, tok, rewards, rl, ref_params=ref_params,
-                            prompt_len=task.prompt_len)
-
-      def rl_step(state, examples):
-        state, metrics, rollout = trainer.step(state, examples)
-        advantages = rollout.advantages if fest else rollout.batch["advantages"]
-        metrics.update(advantage_variance(rollout.rewards, advantages, rollout.group_ids))
-        return state, metrics
-
-      phase = _Phase("rl", config, workdir, writer, sigterm)
-      state, phase_times["rl"] = phase.run(state, iterator, rl.steps, rl_step, eval_fn, rl.eval_every,
-                                           ("reward/total/mean", "train/clip_frac", "eval/accuracy"))
-      phase.close()
-      params = state.params
-      nnx.update(model, params)
+    for name in config.phases:
+      if not config[name].steps:
+        continue
+      phase = PHASES.get(name)(PhaseContext(config, task, model, workdir))
+      runner = _PhaseRunner(name, config, workdir, writer, sigterm)
+      state, phase_times[name] = runner.run(phase, eval_fn)
+      runner.close()
+      nnx.update(model, state.params)
     final = final_eval(model, task) if final_eval is not None else None
   writer.close()
   return summarize(workdir, config, phase_times, final)
@@ -274,7 +190,7 @@ def summarize(workdir: str, config, phase_times: dict[str, float],
                              "wall_time_s": {k: round(v, 1) for k, v in phase_times.items()}}
   if final_eval is not None:
     summary["final_eval"] = final_eval
-  for phase in ("sft", "rl"):
+  for phase in config.phases:
     evals = [r for r in records if r["phase"] == f"eval_{phase}"]
     if evals:
       summary[f"{phase}_initial_accuracy"] = evals[0]["accuracy"]
@@ -283,7 +199,7 @@ def summarize(workdir: str, config, phase_times: dict[str, float],
   with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
   lines = [f"workdir: {workdir}", f"seed: {config.seed}"]
-  for phase in ("sft", "rl"):
+  for phase in config.phases:
     if f"{phase}_final_accuracy" in summary:
       lines.append(f"{phase}: {summary[f'{phase}_initial_accuracy']:.3f} -> "
                    f"{summary[f'{phase}_final_accuracy']:.3f} held-out accuracy "

@@ -41,16 +41,15 @@ from lemon_rl import ops
 from lemon_rl.losses import advantages as advantages_lib
 from lemon_rl.losses import fest as fest_losses
 from lemon_rl.losses import policy_gradient as pg
-from lemon_rl.rewards.combine import WeightedReward, compute_rewards
-from lemon_rl.sampling import generate, prompt_bucket
-from lemon_rl.text.decoding import decode_completion
+from lemon_rl.losses.surrogate import SurrogateSettings, surrogate_fields_from_config
+from lemon_rl.rewards.combine import WeightedReward
 from lemon_rl.training import state as state_lib
+from lemon_rl.training import rollout as rollout_lib
 from lemon_rl.training.batches import build_sequences, pad_completions
-from lemon_rl.training.rl import SurrogateSettings, group_statistics, reduce_update_metrics
-from lemon_rl.training.rl import rollout_and_update, surrogate_fields_from_config
+from lemon_rl.training.rollout import Rollout, SamplingSettings
 from lemon_rl.training.state import TrainState
+from lemon_rl.utils import config_checks as cc
 
-ALGORITHMS = ("grpo", "fest_dpo", "fest_grpo")
 FEST_ALGORITHMS = ("fest_dpo", "fest_grpo")
 STREAM_RL = "rl"  # D_I: prompts with answers only.
 STREAM_EXPERT = "expert"  # D_E: prompts with expert solutions y+.
@@ -66,6 +65,10 @@ class FestLoss(SurrogateSettings):
 
   ``algorithm`` is ``"fest_dpo"`` or ``"fest_grpo"``; the GRPO part is the clipped surrogate of the inherited
   :class:`lemon_rl.training.rl.SurrogateSettings` (no KL, no entropy term: the paper's ``L_I``).
+
+  *Decision*: the surrogate scores the rollouts under ``sampling`` (the distribution they were sampled
+  from); the expert terms (DPO pairs, the weighted SFT of ``y+``) and their reference are likelihoods of the
+  model itself, at temperature 1 without filtering (``y+`` may lie outside a top-p set).
   """
 
   algorithm: str = "fest_grpo"
@@ -74,8 +77,10 @@ class FestLoss(SurrogateSettings):
   beta2: float = fest_losses.DEFAULT_BETA2
   beta3: float = fest_losses.DEFAULT_BETA3
   sft_aggregation: str = "seq_mean_token_sum"
+  sampling: SamplingSettings = SamplingSettings()
 
   def __post_init__(self):
+    super().__post_init__()  # Resolves the policy loss's default clip range and aggregation.
     if self.algorithm not in FEST_ALGORITHMS:
       raise ValueError(f"FestLoss.algorithm={self.algorithm!r}: must be one of {FEST_ALGORITHMS}")
 
@@ -90,8 +95,14 @@ class FestLoss(SurrogateSettings):
     ids = jnp.concatenate([rl["ids"], ex["neg_ids"].reshape(e * g, t), ex["pos_ids"]])
     attn = jnp.concatenate([rl["attention_mask"], ex["neg_attention_mask"].reshape(e * g, t),
                             ex["pos_attention_mask"]])
-    logp = ops.token_log_probs(model(ids, attn)[:, :-1], ids[:, 1:])
+    logits = model(ids, attn)[:, :-1]
+    logp = ops.token_log_probs(logits, ids[:, 1:])
     logp_rl, logp_neg, logp_pos = logp[:r], logp[r:r + e * g], logp[r + e * g:]
+    if self.sampling != rollout_lib.MODEL_DISTRIBUTION:  # The rollouts' surrogate follows their sampler.
+      sampled = self.sampling.token_log_probs(logits[:r + e * g], ids[:r + e * g, 1:])
+      logp_rl, logp_neg_sampled = sampled[:r], sampled[r:]
+    else:
+      logp_neg_sampled = logp_neg
     group_ids = jnp.repeat(jnp.arange(e, dtype=jnp.int32), g)
     neg_mask = ex["neg_loss_mask"].reshape(e * g, t - 1)
     pos_mask = ex["pos_loss_mask"]
@@ -110,7 +121,7 @@ class FestLoss(SurrogateSettings):
           logp_pos[group_ids], pos_mask[group_ids], ref_pos, seq_neg, ref_neg, beta,
           aggregation=self.sft_aggregation, max_len=self.max_len)
       rl_term, rl_metrics = self._grpo(
-          jnp.concatenate([logp_rl, logp_neg]),
+          jnp.concatenate([logp_rl, logp_neg_sampled]),
           jnp.concatenate([rl["old_logp"], ex["neg_old_logp"].reshape(e * g, t - 1)]),
           jnp.concatenate([rl["advantages"], ex["neg_advantages"].reshape(-1)]),
           jnp.concatenate([rl["loss_mask"], neg_mask]))
@@ -131,10 +142,9 @@ class FestLoss(SurrogateSettings):
     den = batch["denominators"][0]
     combine = fest_losses.fest_dpo_loss if self.algorithm == "fest_dpo" else fest_losses.fest_grpo_loss
     kwargs = ({"expert_denominator": den[0]} if self.algorithm == "fest_dpo" else {"sft_denominator": den[0]})
-    total = combine(expert, rl_term, c=self.c, rl_denominator=den[1], **kwargs)
-    # The micro-batch's share of the whole-batch mean: the shares add up to 1 over the micro-batches, so
-    # update_step's grad_sum / denominator is the gradient of c * L_E + L_I.
-    return ops.WeightedMetric(total, den[2]), metrics
+    # den[2] is the micro-batch's share of the whole-batch mean: the shares add up to 1 over the
+    # micro-batches, so update_step's grad_sum / denominator is the gradient of c * L_E + L_I.
+    return combine(expert, rl_term, c=self.c, rl_denominator=den[1], share=den[2], **kwargs), metrics
 
 
 def fest_loss_from_config(rl_cfg, fest_cfg, algorithm: str) -> FestLoss:
@@ -142,7 +152,35 @@ def fest_loss_from_config(rl_cfg, fest_cfg, algorithm: str) -> FestLoss:
   pg.AGGREGATIONS.validate(fest_cfg.sft_aggregation)
   return FestLoss(**surrogate_fields_from_config(rl_cfg), algorithm=algorithm, c=float(fest_cfg.c),
                   beta1=float(fest_cfg.beta1), beta2=float(fest_cfg.beta2), beta3=float(fest_cfg.beta3),
-                  sft_aggregation=fest_cfg.sft_aggregation)
+                  sft_aggregation=fest_cfg.sft_aggregation, sampling=SamplingSettings.from_config(rl_cfg))
+
+
+def check_config(config) -> None:
+  """The ``fest`` section and the ``rl`` fields FEST constrains (for ``rl.algorithm`` fest_dpo / fest_grpo)."""
+  rl = config.rl
+  if not rl.steps:
+    return
+  fest = config.get("fest")
+  cc.require(fest is not None, "fest", fest, f"rl.algorithm={rl.algorithm!r} needs a 'fest' config section")
+  cc.require_positive(fest, "fest", "num_shots", "expert_prompts_per_step", "beta1", "beta2", "beta3",
+                      "num_microbatches")
+  cc.require_positive(fest, "fest", "c", allow_zero=True)
+  cc.require(isinstance(fest.num_shots, int) and isinstance(fest.expert_prompts_per_step, int)
+             and isinstance(fest.num_microbatches, int), "fest", dict(fest), "num_shots, expert_prompts_per_step "
+             "and num_microbatches must be integers")
+  cc.require(fest.expert_prompts_per_step <= fest.num_shots, "fest.expert_prompts_per_step",
+             fest.expert_prompts_per_step, f"must be <= fest.num_shots={fest.num_shots}")
+  cc.require_name(pg.AGGREGATIONS, "fest.sft_aggregation", fest.sft_aggregation)
+  rows = rl.prompts_per_step * rl.num_generations
+  cc.require(not rl.minibatch_size or rl.minibatch_size == rows, "rl.minibatch_size", rl.minibatch_size,
+             f"FEST updates on the whole step batch: use 0 (or {rows})")
+  cc.require(rows % fest.num_microbatches == 0 and fest.expert_prompts_per_step % fest.num_microbatches == 0,
+             "fest.num_microbatches", fest.num_microbatches,
+             f"must divide rl.prompts_per_step * rl.num_generations = {rows} and fest.expert_prompts_per_step = "
+             f"{fest.expert_prompts_per_step}")
+  for field in ("kl_coef", "entropy_coef"):
+    cc.require(not rl[field], f"rl.{field}", rl[field], "FEST's L_I is GRPO without KL or entropy terms: use 0")
+  cc.require(not rl.use_tis, "rl.use_tis", rl.use_tis, "not supported by the FEST trainer: use False")
 
 
 def aggregation_denominator(mask: np.ndarray, aggregation: str, max_len: int | None = None) -> float:
@@ -190,18 +228,6 @@ def beta_case_counts(correct: np.ndarray) -> dict[str, float]:
 def all_wrong_fraction(correct: np.ndarray) -> float:
   """Share of groups (rows of ``correct [P, G]``) with no correct rollout."""
   return float(np.mean(~(np.asarray(correct) > 0).any(axis=1)))
-
-
-@dataclasses.dataclass
-class FestRollout:
-  """A sampled FEST step batch (numpy) and its per-rollout rewards over both streams (``N`` rows)."""
-
-  batch: dict[str, Any]
-  rewards: np.ndarray
-  advantages: np.ndarray
-  group_ids: np.ndarray
-  completions: list[str]
-  metrics: dict[str, float]
 
 
 class TwoStreamIterator:
@@ -286,7 +312,7 @@ class FestTrainer:
 
   # -- sampling and scoring ---------------------------------------------------------------------------
 
-  def rollout(self, state: TrainState, examples: Sequence[Mapping[str, Any]]) -> FestRollout:
+  def rollout(self, state: TrainState, examples: Sequence[Mapping[str, Any]]) -> Rollout:
     cfg, tok = self.cfg, self.tokenizer
     g, length = cfg.num_generations, cfg.max_new_tokens
     streams = [ex[STREAM_KEY] for ex in examples]
@@ -298,27 +324,16 @@ class FestTrainer:
     examples = [examples[i] for i in order]
     num_rl = streams.count(STREAM_RL)
     num_expert = len(examples) - num_rl
-    prompt_ids = [tok.encode(ex["prompt"], add_bos=True) for ex in examples]
-    rollout_prompts = [p for p in prompt_ids for _ in range(g)]
-    model = nnx.merge(self.graphdef, state.params)
-    t0 = time.perf_counter()
-    out = generate(model, rollout_prompts, length, state_lib.step_key(state, 0), temperature=cfg.temperature,
-                   top_k=cfg.top_k, top_p=cfg.top_p, eos_id=tok.eos_id, pad_id=tok.pad_id)
-    sample_time = time.perf_counter() - t0
-    completion_ids = [out.tokens[i, :out.lengths[i]].tolist() for i in range(len(rollout_prompts))]
-    completions = [decode_completion(tok, ids) for ids in completion_ids]
-    skip = ("prompt", STREAM_KEY, EXPERT_COMPLETION_KEY)
-    fields = {k: [ex[k] for ex in examples for _ in range(g)] for k in examples[0] if k not in skip}
-    prompt_texts = [ex["prompt"] for ex in examples for _ in range(g)]
-    rewards, metrics, _ = compute_rewards(self.rewards, prompt_texts, completions, completion_ids, fields)
-    num_groups = len(examples)
-    group_ids = np.repeat(np.arange(num_groups), g).astype(np.int32)
-    estimator = advantages_lib.ADVANTAGE_ESTIMATORS.get(cfg.advantage_estimator)
-    advantages = np.asarray(estimator(jnp.asarray(rewards), jnp.asarray(group_ids), num_groups), np.float32)
+    rollout = rollout_lib.collect_rollout(self.graphdef, state.params, tok, examples, self.rewards, cfg,
+                                          state_lib.step_key(state, 0), prompt_len=self.prompt_len,
+                                          exclude_fields=(STREAM_KEY, EXPERT_COMPLETION_KEY))
+    rewards, advantages, group_ids, metrics = (rollout.rewards, rollout.advantages, rollout.group_ids,
+                                               rollout.metrics)
+    seqs = rollout.batch
+    prompt_ids = rollout.prompt_ids[::g]  # One per prompt.
 
     # Rollouts of both streams and the experts' y+, all on one [P | L] layout.
-    p = self.prompt_len or prompt_bucket(max(len(x) for x in prompt_ids))
-    seqs = build_sequences(rollout_prompts, out.tokens, out.mask, tok.pad_id, p)
+    p = seqs["ids"].shape[1] - length
     expert_examples = examples[num_rl:]
     pos_tokens = [tok.encode(ex[EXPERT_COMPLETION_KEY]) + [tok.eos_id] for ex in expert_examples]
     too_long = [len(x) for x in pos_tokens if len(x) > length]
@@ -330,19 +345,24 @@ class FestTrainer:
     t1 = time.perf_counter()
     all_ids = jnp.asarray(np.concatenate([seqs["ids"], pos["ids"]]))
     all_attn = jnp.asarray(np.concatenate([seqs["attention_mask"], pos["attention_mask"]]))
-    old_logp = np.asarray(state_lib.sequence_token_log_probs(self.graphdef, state.params, all_ids, all_attn))
+    # The model's own log-probs (expert terms, diagnostics) and the sampling distribution's (the surrogate).
+    old_logp = np.asarray(rollout_lib.sequence_token_log_probs(self.graphdef, state.params, all_ids, all_attn))
     n_rl, n_neg = num_rl * g, num_expert * g
+    old_sampling_logp = old_logp[:n_rl + n_neg]
+    if self.loss.sampling != rollout_lib.MODEL_DISTRIBUTION:
+      old_sampling_logp = np.asarray(rollout_lib.sequence_token_log_probs(
+          self.graphdef, state.params, all_ids[:n_rl + n_neg], all_attn[:n_rl + n_neg], self.loss.sampling))
     expert_ids, expert_attn = all_ids[n_rl:], all_attn[n_rl:]
-    ref_logp = np.asarray(state_lib.sequence_token_log_probs(self.graphdef, self.ref_params, expert_ids,
-                                                             expert_attn))
-    logprob_time = time.perf_counter() - t1
+    ref_logp = np.asarray(rollout_lib.sequence_token_log_probs(self.graphdef, self.ref_params, expert_ids,
+                                                               expert_attn))
+    metrics["time/logprob_s"] = time.perf_counter() - t1
     t = seqs["ids"].shape[1]
     neg_mask = seqs["loss_mask"][n_rl:]
     seq_sum = lambda lp, m: (lp * m).sum(axis=-1)
     correct = (rewards > 0).astype(np.float32)
     batch = {
         "rl": {"ids": seqs["ids"][:n_rl], "attention_mask": seqs["attention_mask"][:n_rl],
-               "loss_mask": seqs["loss_mask"][:n_rl], "old_logp": old_logp[:n_rl],
+               "loss_mask": seqs["loss_mask"][:n_rl], "old_logp": old_sampling_logp[:n_rl],
                "advantages": advantages[:n_rl]},
         "expert": {
             "pos_ids": pos["ids"], "pos_attention_mask": pos["attention_mask"],
@@ -350,7 +370,7 @@ class FestTrainer:
             "neg_ids": seqs["ids"][n_rl:].reshape(num_expert, g, t),
             "neg_attention_mask": seqs["attention_mask"][n_rl:].reshape(num_expert, g, t),
             "neg_loss_mask": neg_mask.reshape(num_expert, g, t - 1),
-            "neg_old_logp": old_logp[n_rl:n_rl + n_neg].reshape(num_expert, g, t - 1),
+            "neg_old_logp": old_sampling_logp[n_rl:].reshape(num_expert, g, t - 1),
             "neg_advantages": advantages[n_rl:].reshape(num_expert, g),
             "ref_logp_neg": seq_sum(ref_logp[:n_neg], neg_mask).reshape(num_expert, g),
             "correct": correct[n_rl:].reshape(num_expert, g),
@@ -374,20 +394,12 @@ class FestTrainer:
         "fest/frac_all_wrong_groups_expert": all_wrong_fraction(correct[n_rl:].reshape(num_expert, g)),
         "fest/expert_r_pos_mean": float(r_pos.mean()), "fest/expert_r_neg_mean": float(r_neg.mean()),
     })
-    lengths = out.lengths.astype(np.float32)
-    metrics.update(group_statistics(rewards, group_ids))
-    metrics.update({
-        "advantage/mean": float(advantages.mean()), "advantage/std": float(advantages.std()),
-        "completion_length/mean": float(lengths.mean()), "completion_length/max": float(lengths.max()),
-        "finished_with_eos": float(np.mean([r == "eos" for r in out.finish_reasons])),
-        "time/sample_s": sample_time, "time/logprob_s": logprob_time,
-        "sample_tokens_per_s": float(lengths.sum() / max(sample_time, 1e-9)),
-    })
-    return FestRollout(batch, rewards, advantages, group_ids, completions, metrics)
+    rollout.batch = batch
+    return rollout
 
   # -- updates ----------------------------------------------------------------------------------------
 
-  def update(self, state: TrainState, rollout: FestRollout) -> tuple[TrainState, dict[str, float]]:
+  def update(self, state: TrainState, rollout: Rollout) -> tuple[TrainState, dict[str, float]]:
     """``rl.num_iterations`` updates, each on the whole step batch in ``fest.num_microbatches`` slices."""
     batch = jax.tree.map(jnp.asarray, rollout.batch)
     collected = []
@@ -395,10 +407,10 @@ class FestTrainer:
       state, values = state_lib.update_step(self.graphdef, state, batch, loss_fn=self.loss,
                                             optimizer=self.optimizer, num_microbatches=self.num_microbatches)
       collected.append(values)
-    return state, reduce_update_metrics(collected)
+    return state, rollout_lib.reduce_update_metrics(collected)
 
   def step(self, state: TrainState, examples: Sequence[Mapping[str, Any]]):
     """One FEST step (rollout of both streams + updates)."""
-    return rollout_and_update(
+    return rollout_lib.rollout_and_update(
         self, state, examples,
         lambda r: float(r.batch["rl"]["loss_mask"].sum() + r.batch["expert"]["neg_loss_mask"].sum()))

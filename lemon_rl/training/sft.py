@@ -16,6 +16,7 @@ from flax import nnx
 
 from lemon_rl import ops
 from lemon_rl.losses import policy_gradient as pg
+from lemon_rl.text.decoding import encode_prompt
 from lemon_rl.training import state as state_lib
 from lemon_rl.training.batches import build_sequences, pad_completions
 from lemon_rl.training.state import TrainState
@@ -37,7 +38,7 @@ class SFTLoss:
 def sft_batch(tokenizer, examples: Sequence[Mapping[str, Any]], max_completion_len: int,
               prompt_len: int | None = None) -> dict[str, np.ndarray]:
   """Tokenises ``{"prompt", "completion"}`` examples; the completion ends with EOS (in the loss)."""
-  prompts = [tokenizer.encode(ex["prompt"], add_bos=True) for ex in examples]
+  prompts = [encode_prompt(tokenizer, ex["prompt"]) for ex in examples]
   completions = [tokenizer.encode(ex["completion"]) + [tokenizer.eos_id] for ex in examples]
   ids, mask = pad_completions(completions, max_completion_len, tokenizer.pad_id)
   return build_sequences(prompts, ids, mask, tokenizer.pad_id, prompt_len)

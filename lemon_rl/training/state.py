@@ -36,19 +36,36 @@ class TrainState(flax.struct.PyTreeNode):
   rng: jax.Array
 
 
+SCHEDULES = ("cosine", "constant")
+
+
+def make_schedule(learning_rate: float, total_steps: int, warmup_steps: int = 0, end_lr_fraction: float = 0.0,
+                  schedule: str = "cosine") -> optax.Schedule:
+  """The learning rate of update ``k`` (``k = 0`` is the first update).
+
+  With ``warmup_steps = W > 0`` the rate rises linearly from 0 at ``k = 0`` to ``learning_rate`` at ``k = W``
+  (optax's convention: the first update only fills Adam's moments); with ``W = 0`` the first update already
+  has the full ``learning_rate``, for every schedule. Then ``cosine`` decays to
+  ``learning_rate * end_lr_fraction`` at ``k = total_steps``; ``constant`` stays at ``learning_rate``.
+  """
+  if schedule not in SCHEDULES:
+    raise ValueError(f"unknown schedule {schedule!r}; expected one of {SCHEDULES}")
+  if warmup_steps < 0:
+    raise ValueError(f"warmup_steps={warmup_steps} must be >= 0")
+  if schedule == "cosine":
+    decay = optax.cosine_decay_schedule(learning_rate, max(total_steps - warmup_steps, 1), alpha=end_lr_fraction)
+  else:
+    decay = optax.constant_schedule(learning_rate)
+  if not warmup_steps:
+    return decay
+  return optax.join_schedules([optax.linear_schedule(0.0, learning_rate, warmup_steps), decay], [warmup_steps])
+
+
 def make_optimizer(learning_rate: float, total_steps: int, warmup_steps: int = 0, weight_decay: float = 0.0,
                    max_grad_norm: float | None = 1.0, b1: float = 0.9, b2: float = 0.999,
                    end_lr_fraction: float = 0.0, schedule: str = "cosine") -> optax.GradientTransformation:
-  """AdamW with global-norm clipping and a warm-up + cosine (or constant) schedule."""
-  if schedule == "cosine":
-    lr = optax.warmup_cosine_decay_schedule(0.0 if warmup_steps else learning_rate, learning_rate,
-                                            warmup_steps, max(total_steps, warmup_steps + 1),
-                                            end_value=learning_rate * end_lr_fraction)
-  elif schedule == "constant":
-    lr = optax.join_schedules([optax.linear_schedule(0.0, learning_rate, max(warmup_steps, 1)),
-                               optax.constant_schedule(learning_rate)], [max(warmup_steps, 1)])
-  else:
-    raise ValueError(f"unknown schedule {schedule!r}; expected 'cosine' or 'constant'")
+  """AdamW with global-norm clipping and the learning rate of :func:`make_schedule`."""
+  lr = make_schedule(learning_rate, total_steps, warmup_steps, end_lr_fraction, schedule)
   chain = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm else []
   chain.append(optax.adamw(lr, b1=b1, b2=b2, weight_decay=weight_decay))
   return optax.chain(*chain)

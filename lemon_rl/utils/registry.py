@@ -1,4 +1,4 @@
-"""A name -> callable registry, one per family (aggregation, KL, advantage, policy loss).
+"""A name -> callable registry, one per family (aggregation, KL, advantage, policy loss, task).
 
 Config validation calls :meth:`Registry.names`; an unknown name raises
 :class:`UnknownNameError` (both a ``KeyError`` and a ``ValueError``) whose

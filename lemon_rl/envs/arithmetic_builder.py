@@ -14,6 +14,10 @@ Usage::
 
 Every config is a pure function of its parameters; its name encodes them (``make_config``), so two different
 configurations never share a directory (``data_dir/lemon_arithmetic/<config name>/<version>/``).
+
+It lives with the task (``lemon_rl.envs``), like the other tasks' generators: ``lemon_rl.data`` holds the
+task-independent machinery (grain pipelines, curriculum samplers, the case library) and imports no task, so
+the tasks may use it without an import cycle.
 """
 
 from __future__ import annotations

@@ -1,0 +1,229 @@
+"""Training phases: what the experiment runner runs, one registered builder per phase.
+
+An experiment config lists its phases in order (``config.phases``, e.g. ``("sft", "expert_sft", "rl")``);
+each name is a config section with at least ``steps`` and ``eval_every`` and a :class:`PhaseKind` (builder
+and config check) registered in :data:`PHASES`. The runner (:func:`lemon_rl.training.experiment.run`) knows nothing of what a phase does:
+for every listed phase with ``steps > 0`` it calls the builder with a :class:`PhaseContext` (the task, the
+model holding the parameters of the previous phase, the config) and gets a :class:`Phase` back (initial
+train state, data iterator, step function), which it runs with resumption, logging, evaluation,
+checkpoints and SIGTERM handling; the phase's final parameters go into the model for the next phase.
+
+A new method adds a phase (drafter training, PPOW, worker training...) by registering a builder here or in
+its own module (``PHASES.register("ppow", PhaseKind(build_ppow_phase, check_ppow_config))``) and listing it
+in its config: the runner does not change. The ``rl`` phase itself dispatches on ``rl.algorithm`` through :data:`RL_ALGORITHMS` (GRPO and
+the FEST variants), which new single-turn algorithms extend the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lemon_rl.data.pipeline import BatchIterator
+from lemon_rl.envs.tasks import Task
+from lemon_rl.training import fest as fest_lib
+from lemon_rl.training import rl as rl_lib
+from lemon_rl.training import state as state_lib
+from lemon_rl.training.sft import SFTTrainer
+from lemon_rl.utils import config_checks as cc
+from lemon_rl.utils.registry import Registry
+
+StepFn = Callable[[state_lib.TrainState, list[dict[str, Any]]], tuple[state_lib.TrainState, dict[str, float]]]
+
+
+@dataclasses.dataclass
+class PhaseContext:
+  """What a phase builder may read: the config, the task, the model (previous phase's parameters)."""
+
+  config: Any
+  task: Task
+  model: nnx.Module
+  workdir: str
+
+
+@dataclasses.dataclass
+class Phase:
+  """A built phase: the runner resumes ``state`` and ``iterator`` and calls ``step`` ``steps`` times.
+
+  Attributes:
+    state: the initial :class:`~lemon_rl.training.state.TrainState` (parameters of ``context.model``).
+    iterator: yields columnar batches ``{field: [B]}``; has ``get_state`` / ``set_state`` (checkpointed).
+    step: ``step(state, examples) -> (state, metrics)``.
+    steps: number of steps.
+    eval_every: held-out evaluation period (0 = at the start and the end only).
+    progress_keys: metrics shown on the progress bar.
+  """
+
+  state: state_lib.TrainState
+  iterator: Iterator[dict[str, list[Any]]]
+  step: StepFn
+  steps: int
+  eval_every: int
+  progress_keys: tuple[str, ...]
+
+
+ConfigCheck = Callable[[Any], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseKind:
+  """A registered phase: ``build(context) -> Phase`` and ``check_config(config)`` (raises ``ConfigError``
+  naming the field; called before anything is compiled, for phases with ``steps > 0``)."""
+
+  build: Callable[[PhaseContext], Phase]
+  check_config: ConfigCheck
+
+  def __call__(self, context: PhaseContext) -> Phase:
+    return self.build(context)
+
+
+PHASES: Registry[PhaseKind] = Registry("phase")
+
+
+def optimizer_from_section(section, updates_per_step: int = 1):
+  """AdamW from a phase section (``learning_rate``, ``steps``, ``warmup_steps``, ``weight_decay``,
+  ``max_grad_norm`` and, if present, ``lr_schedule``; else cosine), ``updates_per_step`` updates a step."""
+  return state_lib.make_optimizer(section.learning_rate, section.steps * updates_per_step,
+                                  section.warmup_steps * updates_per_step, section.weight_decay,
+                                  section.max_grad_norm, schedule=section.get("lr_schedule", "cosine"))
+
+
+def _sft_phase(ctx: PhaseContext, section, source, max_completion_len: int, microbatch_size,
+               seed_offset: int) -> Phase:
+  optimizer = optimizer_from_section(section)
+  graphdef, state = state_lib.create_train_state(ctx.model, optimizer, ctx.config.seed + seed_offset)
+  trainer = SFTTrainer(graphdef, optimizer, ctx.task.tokenizer, max_completion_len, microbatch_size,
+                       ctx.task.prompt_len)
+
+  def step(state, examples):
+    state, metrics, _ = trainer.step(state, examples)
+    return state, metrics
+
+  return Phase(state, BatchIterator(source, batch_size=section.batch_size, seed=ctx.config.seed), step,
+               section.steps, section.eval_every, ("train/loss", "eval/accuracy"))
+
+
+def _check_sft_section(name: str) -> ConfigCheck:
+
+  def check(config) -> None:
+    section = config[name]
+    cc.require_positive(section, name, "steps", "batch_size", "learning_rate")
+    cc.require_positive(section, name, "eval_every", "warmup_steps", "weight_decay", allow_zero=True)
+    micro = section.get("microbatch_size")
+    cc.require(micro is None or section.batch_size % micro == 0, f"{name}.microbatch_size", micro,
+               f"must divide {name}.batch_size={section.batch_size}")
+
+  return check
+
+
+def sft_phase(ctx: PhaseContext) -> Phase:
+  """Masked NLL on the task's demonstrations (``config.sft``)."""
+  sft = ctx.config.sft
+  return _sft_phase(ctx, sft, ctx.task.sft_source, ctx.task.max_completion_len, sft.microbatch_size, 0)
+
+
+def expert_sft_phase(ctx: PhaseContext) -> Phase:
+  """SFT on the task's few expert demonstrations (FEST's ``D_E``), padded to the sampling length."""
+  if ctx.task.expert_source is None:
+    raise ValueError(f"config.expert_sft.steps={ctx.config.expert_sft.steps} needs a task with expert "
+                     f"demonstrations; task {ctx.config.task.name!r} has none")
+  return _sft_phase(ctx, ctx.config.expert_sft, ctx.task.expert_source, ctx.task.max_new_tokens, None, 2)
+
+
+PHASES.register("sft", PhaseKind(sft_phase, _check_sft_section("sft")))
+PHASES.register("expert_sft", PhaseKind(expert_sft_phase, _check_sft_section("expert_sft")))
+
+
+# -- RL ------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class RLAlgorithm:
+  """A registered RL algorithm: ``build(context, graphdef, optimizer) -> (trainer, iterator)`` (the trainer
+  has ``step(state, examples) -> (state, metrics, rollout)``) and the checks of its own config fields."""
+
+  build: Callable[[PhaseContext, Any, Any], tuple[Any, Iterator[dict[str, list[Any]]]]]
+  check_config: ConfigCheck = lambda config: None
+
+  def __call__(self, context: PhaseContext, graphdef, optimizer):
+    return self.build(context, graphdef, optimizer)
+
+
+RL_ALGORITHMS: Registry[RLAlgorithm] = Registry("RL algorithm")
+
+
+def grpo_trainer(ctx: PhaseContext, graphdef, optimizer):
+  """The GRPO-family trainer; a task's ``prepare_rl`` hook may supply rewards and data order (CAST)."""
+  cfg, task, rl = ctx.config, ctx.task, ctx.config.rl
+  if task.prepare_rl is not None:  # Rewards / data order that depend on the SFT policy (e.g. CAST).
+    rewards, iterator = task.prepare_rl(ctx.model, task.tokenizer, ctx.workdir, cfg)
+  else:
+    rewards = task.rewards
+    iterator = BatchIterator(task.rl_source, batch_size=rl.prompts_per_step, seed=cfg.seed)
+  ref_params = _frozen_params(ctx.model) if rl.kl_coef else None
+  return rl_lib.RLTrainer(graphdef, optimizer, task.tokenizer, rewards, rl, ref_params=ref_params,
+                   prompt_len=task.prompt_len), iterator
+
+
+RL_ALGORITHMS.register("grpo", RLAlgorithm(grpo_trainer))
+
+
+def _fest_trainer(algorithm: str):
+
+  def build(ctx: PhaseContext, graphdef, optimizer):
+    """FEST (METHODS.md section 2): two streams, ``D_I`` answers only and ``D_E`` expert solutions."""
+    cfg, task, rl = ctx.config, ctx.task, ctx.config.rl
+    if task.expert_source is None:
+      raise ValueError(f"config.rl.algorithm={algorithm!r} needs a task with expert demonstrations; "
+                       f"task {cfg.task.name!r} has none")
+    iterator = fest_lib.TwoStreamIterator(
+        BatchIterator(task.rl_source, batch_size=rl.prompts_per_step, seed=cfg.seed),
+        BatchIterator(task.expert_source, batch_size=cfg.fest.expert_prompts_per_step, seed=cfg.seed))
+    trainer = fest_lib.FestTrainer(graphdef, optimizer, task.tokenizer, task.rewards, rl, cfg.fest, algorithm,
+                                   _frozen_params(ctx.model), prompt_len=task.prompt_len)
+    return trainer, iterator
+
+  return build
+
+
+for _algorithm in fest_lib.FEST_ALGORITHMS:
+  RL_ALGORITHMS.register(_algorithm, RLAlgorithm(_fest_trainer(_algorithm), fest_lib.check_config))
+
+
+def _frozen_params(model: nnx.Module):
+  """A copy of the model's parameters at the start of the phase (the frozen reference policy)."""
+  return jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
+
+
+def rl_updates_per_step(rl) -> int:
+  """Optimizer updates per RL step: ``num_iterations`` passes over ``rows / minibatch_size`` minibatches."""
+  rows = rl.prompts_per_step * rl.num_generations
+  return rl.num_iterations * (rows // (rl.minibatch_size or rows))
+
+
+def rl_phase(ctx: PhaseContext) -> Phase:
+  """RL of the algorithm ``config.rl.algorithm`` (:data:`RL_ALGORITHMS`), from the previous phase's policy."""
+  rl = ctx.config.rl
+  optimizer = optimizer_from_section(rl, rl_updates_per_step(rl))
+  graphdef, state = state_lib.create_train_state(ctx.model, optimizer, ctx.config.seed + 1)
+  trainer, iterator = RL_ALGORITHMS.get(rl.algorithm)(ctx, graphdef, optimizer)
+
+  def step(state, examples):
+    state, metrics, _ = trainer.step(state, examples)
+    return state, metrics
+
+  return Phase(state, iterator, step, rl.steps, rl.eval_every,
+               ("reward/total/mean", "train/clip_frac", "eval/accuracy"))
+
+
+def check_rl_config(config) -> None:
+  """The ``rl`` section (:func:`lemon_rl.training.rl.check_config`), then the algorithm's own checks."""
+  cc.require_name(RL_ALGORITHMS, "rl.algorithm", config.rl.algorithm)
+  rl_lib.check_config(config)
+  RL_ALGORITHMS.get(config.rl.algorithm).check_config(config)
+
+
+PHASES.register("rl", PhaseKind(rl_phase, check_rl_config))
