@@ -50,6 +50,10 @@ def main():
       "loss": abs(single[1] - sharded[1]),
       "grad": float(grad_diff),
       "greedy_equal": bool(np.array_equal(single[3], sharded[3])),
+      # Scales for the test's float32 tolerances.
+      "logit_scale": float(np.abs(single[0])[valid].max()), "loss_value": single[1],
+      "grad_scale": float(max(np.abs(g).max() for g in jax.tree.leaves(single[2]))),
+      "num_tokens": int(np.asarray(mask)[:, 1:].sum()),
       "param_spec": spec,
   }))
 

@@ -44,6 +44,7 @@ def update(model, batch, aggregation):
 
 def term_scale(model, batch) -> float:
   """``max |A_i| max(r_it, 2)``: a bound on every per-token term of the clipped surrogate (``eps_high <= 1``)."""
+  batch = {k: np.asarray(v) for k, v in batch.items()}
   graphdef, params = nnx.split(model, nnx.Param)
   logp = np.asarray(state_lib.sequence_token_log_probs(graphdef, params, jnp.asarray(batch["ids"]),
                                                        jnp.asarray(batch["attention_mask"])))

@@ -1,8 +1,14 @@
-"""Tests of lemon_rl.losses.advantages: GRPO, Dr.GRPO, RLOO, REINFORCE++-baseline, GiGPO."""
+"""Tests of lemon_rl.losses.advantages: GRPO, Dr.GRPO, RLOO, REINFORCE++-baseline, GiGPO.
+
+By-hand tests run under ``chex.variants`` (eager, ``jax.jit``, ``jax.pmap``). Rows split over a named axis
+(``axis_name``) are tested with ``jax.vmap(..., axis_name=...)``, which has the collective semantics of
+``pmap`` on the one CPU device pytest sees; tests/test_loss_transforms.py does the same over 4 fake devices.
+"""
 
 import collections
 import functools
 
+from absl import flags
 from absl.testing import parameterized
 import chex
 import jax
@@ -14,6 +20,15 @@ from lemon_rl import losses
 from lemon_rl.losses import advantages as adv_lib
 
 EPS = 1e-6
+
+
+@pytest.fixture(autouse=True)
+def _pmap_variant_on_one_device():
+  """chex skips ``with_pmap`` variants on one device; run them (pmap over the one device pytest sees)."""
+  flag = flags.FLAGS["chex_skip_pmap_variant_if_single_device"]
+  saved, flag.value = flag.value, False
+  yield
+  flag.value = saved
 
 # ---------------------------------------------------------------------------------------------------
 # Independent NumPy transcriptions (METHODS.md sections 0 and 5), float64, Python loops over groups.
@@ -102,7 +117,7 @@ SQRT3 = np.sqrt(3.0)
 
 class OutcomeEstimatorTest(chex.TestCase):
 
-  @chex.variants(with_jit=True, without_jit=True)
+  @chex.variants(with_jit=True, without_jit=True, with_pmap=True)
   @parameterized.named_parameters(
       # Group 0: mean 2/3, unbiased std sqrt(((1/3)^2 * 2 + (2/3)^2) / 2) = 1/sqrt(3):
       # A = (1/3) sqrt(3) = 0.57735, (-2/3) sqrt(3) = -1.1547.
@@ -124,14 +139,16 @@ class OutcomeEstimatorTest(chex.TestCase):
     ids = jnp.array([0] * 7 + [1, 1] + [2] + [3] * 4)
     chex.assert_trees_all_equal(fn(rewards, ids, 4), jnp.zeros(14))
 
+  @chex.variants(with_jit=True, without_jit=True, with_pmap=True)
   def test_reinforce_pp_baseline_by_hand(self):
     rewards = jnp.array([1.0, 0.0, 1.0, 2.0, 4.0, 7.0])
     ids = jnp.array([0, 0, 0, 1, 1, 2])
     # a = r - group mean = [1/3, -2/3, 1/3, -1, 1, 0]; batch mean 0;
     # unbiased batch std sqrt((1/9 + 4/9 + 1/9 + 1 + 1 + 0) / 5) = sqrt(8/15).
     a = np.array([1 / 3, -2 / 3, 1 / 3, -1.0, 1.0, 0.0])
-    np.testing.assert_allclose(losses.reinforce_pp_baseline(rewards, ids, 3), a / (np.sqrt(8 / 15) + EPS),
-                               rtol=1e-5)
+    fn = self.variant(functools.partial(losses.reinforce_pp_baseline, num_groups=3))
+    # atol: the batch mean of a is 0 up to the rounding of its 6 additions (6 eps max|a| ~ 1e-6).
+    np.testing.assert_allclose(fn(rewards, ids), a / (np.sqrt(8 / 15) + EPS), rtol=1e-5, atol=1e-6)
     # Token-level whitening: weight 2 on the first row = the row duplicated.
     weighted = losses.reinforce_pp_baseline(rewards, ids, 3, batch_weights=jnp.array([2.0, 1, 1, 1, 1, 1]))
     a_dup = np.concatenate([[a[0]], a])
@@ -171,6 +188,69 @@ class OutcomeEstimatorTest(chex.TestCase):
       losses.grpo(REWARDS[:3], IDS, 3)
     with self.assertRaisesRegex(KeyError, "registered: grpo, dr_grpo, rloo, reinforce_pp_baseline, gigpo"):
       losses.ADVANTAGE_ESTIMATORS.get("ppo")
+
+
+OUTCOME_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+F32_EPS = float(np.finfo(np.float32).eps)
+
+
+def split_call(name, rewards, ids, num_groups, devices, **kwargs):
+  """The estimator with the rows split into ``devices`` equal slices along a vmapped named axis."""
+  fn = losses.ADVANTAGE_ESTIMATORS.get(name)
+  split = lambda x: None if x is None else jnp.asarray(x).reshape(devices, -1)
+  arrays = {k: split(v) for k, v in kwargs.items()}
+  out = jax.vmap(lambda r, i, a: fn(r, i, num_groups, axis_name="dev", **a), axis_name="dev")(
+      split(rewards), split(ids), arrays)
+  return np.asarray(out).reshape(-1)
+
+
+class AxisNameTest(parameterized.TestCase):
+  """Group statistics reduced across a named axis equal the single-device ones."""
+
+  @parameterized.product(name=OUTCOME_ESTIMATORS, seed=(0, 1), devices=(2, 4), with_valid=(False, True))
+  def test_rows_split_over_an_axis_equal_one_device(self, name, seed, devices, with_valid):
+    rng = np.random.default_rng(seed)
+    n, g = 24, 5
+    ids = rng.integers(0, g, size=n).astype(np.int32)  # random group sizes; groups straddle the slices
+    rewards = rng.normal(size=n).astype(np.float32)
+    if seed == 1:
+      rewards = (rewards > 0).astype(np.float32)
+    kwargs = {"valid": (rng.uniform(size=n) < 0.8).astype(np.float32)} if with_valid else {}
+    if name == "reinforce_pp_baseline":
+      kwargs["batch_weights"] = rng.integers(1, 5, size=n).astype(np.float32)
+    whole = np.asarray(losses.ADVANTAGE_ESTIMATORS.get(name)(rewards, ids, g, **kwargs))
+    split = split_call(name, rewards, ids, g, devices, **kwargs)
+    # Only the order of the float32 additions differs: each group (and REINFORCE++'s batch) statistic is a
+    # sum of at most n terms, changed by at most n * eps * (sum of |terms|) <= n^2 * eps * max|r - shift|
+    # (the deviations from the group max are bounded by the reward range, 2 * max|r| here); the
+    # normalisation divides by std + eps >= std, and the deviations over std are at most n-ish, so the
+    # advantages move by at most ~4 n^2 eps (1 + max|A|).
+    tol = 4 * n * n * F32_EPS * (1 + np.abs(whole).max())
+    np.testing.assert_allclose(split, whole, atol=tol, rtol=0)
+    if with_valid:
+      np.testing.assert_array_equal(split[kwargs["valid"] == 0], 0.0)
+
+  @parameterized.parameters(*OUTCOME_ESTIMATORS)
+  def test_all_equal_groups_split_over_an_axis_are_exactly_zero(self, name):
+    rewards = np.array([0.1, 0.7, 0.1, 0.7, 0.1, 0.7, 0.1, 0.7], np.float32)
+    ids = np.array([0, 1, 0, 1, 0, 1, 0, 1], np.int32)  # each group has one member on every slice
+    out = split_call(name, rewards, ids, 2, 4)
+    if name == "reinforce_pp_baseline":  # group baselines 0 -> a = 0 -> (0 - 0) / (0 + eps) = 0
+      np.testing.assert_array_equal(out, 0.0)
+    else:
+      np.testing.assert_array_equal(out, np.zeros(8))
+
+  def test_pmap_variant_on_the_available_devices(self):
+    # jax.pmap over every local device (one under pytest): the rows of each device are its own slice.
+    d = jax.local_device_count()
+    rewards = jnp.tile(REWARDS, d).reshape(d, -1)
+    ids = jnp.tile(IDS, d).reshape(d, -1)
+    out = jax.pmap(lambda r, i: losses.grpo(r, i, 3, axis_name="dev"), axis_name="dev")(rewards, ids)
+    np.testing.assert_allclose(out[0], losses.grpo(REWARDS, IDS, 3), rtol=1e-6, atol=1e-7)
+
+  def test_gigpo_rejects_axis_name(self):
+    with self.assertRaisesRegex(ValueError, "groups? must stay on one device"):
+      losses.gigpo(EP_R, STEP_R, STEP_MASK, ANCHORS, GROUPS, 2, axis_name="dev")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -249,8 +249,8 @@ def test_sigkill_during_async_save_resumes_from_previous(tmp_path):
 
 def test_sharded_save_restores_onto_other_meshes(tmp_path):
   """Saved from a 4-device mesh; restored onto a (2, 2) mesh with other shardings and onto one device."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=_REPO,
-             XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=_REPO,  # Keeps the caller's XLA flags (e.g. the ISA).
+             XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip())
   result = subprocess.run([sys.executable, _CHILD, "mesh", str(tmp_path / "ckpt")], capture_output=True, text=True,
                           env=env, cwd=_REPO, timeout=300, check=False)
   assert result.returncode == 0, result.stderr[-4000:]

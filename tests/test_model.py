@@ -103,6 +103,12 @@ def _right_padded(seqs, width=None):
   return jnp.asarray(ids), jnp.asarray(mask)
 
 
+# Whole calls jitted (one compile per shape) instead of op-by-op dispatch, which compiles every primitive.
+_prefill = nnx.jit(Transformer.prefill, static_argnums=3)
+_extend = nnx.jit(Transformer.extend)
+_logits = nnx.jit(Transformer.logits_from_hidden)
+_forward = nnx.jit(Transformer.__call__)
+
 PROMPTS = [[9, 8, 7], [3, 4, 5, 6, 2], [1]]
 NEW = [[11, 12, 13], [14, 15, 16], [17, 18, 19]]
 
@@ -120,23 +126,28 @@ def _valid(cache, row, layer=0):
 
 def test_prefill_and_extend_match_the_full_forward(small_model):
   model = small_model
-  full = model(*_right_padded([p + n for p, n in zip(PROMPTS, NEW)]))
+  full = _forward(model, *_right_padded([p + n for p, n in zip(PROMPTS, NEW)]))
   ids, mask = _right_padded(PROMPTS, width=6)  # right-padded: every row left-aligned at slot 0
-  hidden, cache = model.prefill(ids, mask, num_slots=10)
+  hidden, cache = _prefill(model, ids, mask, num_slots=10)
   np.testing.assert_array_equal(cache.lengths, [3, 5, 1])
   lengths = [len(p) for p in PROMPTS]
   last = np.stack([full[i, n - 1] for i, n in enumerate(lengths)])
-  np.testing.assert_allclose(model.logits_from_hidden(hidden), last, atol=f32_tol(full))
+  np.testing.assert_allclose(_logits(model, hidden), last, atol=f32_tol(full))
+  # Prefill is extend on an empty cache, computed with the full-sequence attention.
+  all_hidden, extended = _extend(model, ids, model.init_cache(3, 10), num_new=cache.lengths)
+  np.testing.assert_array_equal(extended.lengths, cache.lengths)
+  last_hidden = all_hidden[jnp.arange(3), cache.lengths - 1]
+  np.testing.assert_allclose(_logits(model, last_hidden), last, atol=f32_tol(full))
   # k = 3 tokens per row in one call, each row at its own slots.
-  hidden, cache3 = jax.jit(model.extend)(jnp.asarray(NEW), cache)
+  hidden, cache3 = _extend(model, jnp.asarray(NEW), cache)
   np.testing.assert_array_equal(cache3.lengths, [6, 8, 4])
   want = np.stack([full[i, n:n + 3] for i, n in enumerate(lengths)])
-  np.testing.assert_allclose(model.logits_from_hidden(hidden), want, atol=f32_tol(full))
+  np.testing.assert_allclose(_logits(model, hidden), want, atol=f32_tol(full))
   # The same three tokens one at a time (plain decoding) give the same logits and the same cache.
   one_by_one = cache
   for j in range(3):
-    hidden, one_by_one = model.extend(jnp.asarray(NEW)[:, j:j + 1], one_by_one)
-    np.testing.assert_allclose(model.logits_from_hidden(hidden[:, 0]), want[:, j], atol=f32_tol(full))
+    hidden, one_by_one = _extend(model, jnp.asarray(NEW)[:, j:j + 1], one_by_one)
+    np.testing.assert_allclose(_logits(model, hidden[:, 0]), want[:, j], atol=f32_tol(full))
   np.testing.assert_array_equal(one_by_one.lengths, cache3.lengths)
   for row in range(3):
     for a, b in zip(_valid(one_by_one, row, layer=1), _valid(cache3, row, layer=1)):
@@ -147,32 +158,32 @@ def test_extend_then_truncate_equals_extending_only_the_kept_tokens(small_model)
   # Speculative decoding: verify k = 3 drafted tokens, keep j of them per row, then decode on.
   model = small_model
   ids, mask = _right_padded(PROMPTS)
-  _, cache = model.prefill(ids, mask, num_slots=12)
+  _, cache = _prefill(model, ids, mask, num_slots=12)
   keep = jnp.array([0, 2, 3])
-  _, drafted = model.extend(jnp.asarray(NEW), cache)
+  _, drafted = _extend(model, jnp.asarray(NEW), cache)
   truncated = drafted.truncate(cache.lengths + keep)
   np.testing.assert_array_equal(truncated.lengths, [3, 7, 4])
   # num_new does the same in one call (identical computation, so identical arrays).
-  _, partial = model.extend(jnp.asarray(NEW), cache, num_new=keep)
+  _, partial = _extend(model, jnp.asarray(NEW), cache, num_new=keep)
   for a, b in zip(jax.tree.leaves(truncated), jax.tree.leaves(partial)):
     np.testing.assert_array_equal(a, b)
   nxt = jnp.array([[21], [22], [23]])
-  hidden, _ = model.extend(nxt, truncated)
-  got = model.logits_from_hidden(hidden[:, 0])
+  hidden, _ = _extend(model, nxt, truncated)
+  got = _logits(model, hidden[:, 0])
   for row, j in enumerate(keep.tolist()):
     # Reference: the same row with only its j kept tokens appended, alone (batch 1), then the next token.
-    _, ref = model.prefill(ids[row:row + 1], mask[row:row + 1], num_slots=12)
+    _, ref = _prefill(model, ids[row:row + 1], mask[row:row + 1], num_slots=12)
     if j:
-      _, ref = model.extend(jnp.asarray(NEW)[row:row + 1, :j], ref)
+      _, ref = _extend(model, jnp.asarray(NEW)[row:row + 1, :j], ref)
     np.testing.assert_array_equal(ref.lengths, truncated.lengths[row:row + 1])
     for a, b in zip(_valid(truncated, row, layer=1), _valid(ref, 0, layer=1)):
       np.testing.assert_allclose(a, b, atol=f32_tol(b))
-    hidden, _ = model.extend(nxt[row:row + 1], ref)
-    ref_logits = model.logits_from_hidden(hidden[:, 0])
+    hidden, _ = _extend(model, nxt[row:row + 1], ref)
+    ref_logits = _logits(model, hidden[:, 0])
     np.testing.assert_allclose(got[row], ref_logits[0], atol=f32_tol(ref_logits))
   # And the full forward over prompt + kept + next agrees.
   seqs = [p + n[:j] + [int(t)] for p, n, j, t in zip(PROMPTS, NEW, keep.tolist(), nxt[:, 0])]
-  full = model(*_right_padded(seqs))
+  full = _forward(model, *_right_padded(seqs))
   want = np.stack([full[i, len(s) - 1] for i, s in enumerate(seqs)])
   np.testing.assert_allclose(got, want, atol=f32_tol(full))
   # truncate never lengthens a row.
@@ -182,10 +193,10 @@ def test_extend_then_truncate_equals_extending_only_the_kept_tokens(small_model)
 def test_tile_equals_prefilling_each_copy(small_model):
   model = small_model
   ids, mask = _right_padded(PROMPTS[:2])
-  _, cache = model.prefill(ids, mask, num_slots=8)
+  _, cache = _prefill(model, ids, mask, num_slots=8)
   tiled = cache.tile(3)
   rows = [0, 0, 0, 1, 1, 1]
-  _, copies = model.prefill(ids[jnp.array(rows)], mask[jnp.array(rows)], num_slots=8)
+  _, copies = _prefill(model, ids[jnp.array(rows)], mask[jnp.array(rows)], num_slots=8)
   np.testing.assert_array_equal(tiled.lengths, copies.lengths)
   for a, b in zip(jax.tree.leaves(tiled), jax.tree.leaves(copies)):
     assert a.shape == b.shape
@@ -195,18 +206,18 @@ def test_tile_equals_prefilling_each_copy(small_model):
         np.testing.assert_allclose(a, b, atol=f32_tol(b))
   # Different continuations of the shared prefix match the full forward.
   new = jnp.arange(30, 42).reshape(6, 2)
-  hidden, _ = model.extend(new, tiled)
+  hidden, _ = _extend(model, new, tiled)
   seqs = [PROMPTS[r] + new[i].tolist() for i, r in enumerate(rows)]
-  full = model(*_right_padded(seqs))
+  full = _forward(model, *_right_padded(seqs))
   want = np.stack([full[i, len(s) - 2:len(s)] for i, s in enumerate(seqs)])
-  np.testing.assert_allclose(model.logits_from_hidden(hidden), want, atol=f32_tol(full))
+  np.testing.assert_allclose(_logits(model, hidden), want, atol=f32_tol(full))
 
 
 def test_extend_without_room_leaves_the_row_unchanged(small_model):
   model = small_model
   ids, mask = _right_padded([[1, 2, 3, 4], [5]])
-  _, cache = model.prefill(ids, mask, num_slots=5)
-  _, out = model.extend(jnp.array([[6, 7], [8, 9]]), cache)  # row 0 would need slots 4 and 5
+  _, cache = _prefill(model, ids, mask, num_slots=5)
+  _, out = _extend(model, jnp.array([[6, 7], [8, 9]]), cache)  # row 0 would need slots 4 and 5
   np.testing.assert_array_equal(out.lengths, [4, 3])
   for layer in range(2):
     np.testing.assert_array_equal(out.keys[layer][0], cache.keys[layer][0])

@@ -1,5 +1,7 @@
 """Tests of lemon_rl.ops: masked reductions, metrics, segment statistics, log-probs."""
 
+import functools
+
 from absl.testing import parameterized
 import chex
 import jax
@@ -98,6 +100,56 @@ class MetricTest(chex.TestCase):
       ops.sum_of_means([t1], [1.0, 2.0])
 
 
+def _device_metrics(x, m):
+  """The metrics of one device's slice: a weighted mean, a min and a max."""
+  return {"mean": ops.weighted_metric(x, m), "min": ops.masked_min(x, m), "max": ops.masked_max(x, m)}
+
+
+# Four "devices" of three values each; device 3's values are all masked (its min/max are +-inf).
+X4 = np.array([[1.0, -2.0, 5.0], [3.0, 4.0, -7.0], [0.5, 9.0, 2.0], [-100.0, 100.0, 3.0]], np.float32)
+M4 = np.array([[1, 1, 1], [1, 1, 0], [0, 1, 1], [0, 0, 0]], np.float32)
+
+
+class ReduceMetricsTest(chex.TestCase):
+  """``ops.reduce_metrics``: psum for WeightedMetric, pmin / pmax for MinMetric / MaxMetric."""
+
+  def check(self, reduced):
+    valid = X4[M4 != 0]  # 1, -2, 5, 3, 4, 9, 2
+    np.testing.assert_allclose(reduced["mean"].sum, valid.sum(), rtol=1e-6)
+    np.testing.assert_allclose(reduced["mean"].denominator, 7.0)
+    self.assertEqual(float(reduced["min"].value), -2.0)  # a psum would give -2 + 3 + 2 + inf
+    self.assertEqual(float(reduced["max"].value), 9.0)
+    self.assertIsInstance(reduced["min"], ops.MinMetric)
+    self.assertIsInstance(reduced["max"], ops.MaxMetric)
+
+  def test_under_vmap_with_an_axis_name(self):
+    out = jax.vmap(lambda x, m: ops.reduce_metrics(_device_metrics(x, m), "dev"), axis_name="dev")(X4, M4)
+    for d in range(4):  # every device gets the whole batch's metrics
+      self.check(jax.tree.map(lambda leaf, d=d: leaf[d], out))
+    # The same as merging the per-device dicts one by one.
+    merged = functools.reduce(ops.merge_metrics, [_device_metrics(X4[d], M4[d]) for d in range(4)])
+    self.check(merged)
+
+  def test_under_pmap(self):
+    # pmap over every local device (one under pytest; tests/test_loss_transforms.py runs 4 fake devices).
+    # Device 0 holds the four slices, the others fully masked copies that must add nothing.
+    n = jax.local_device_count()
+
+    def per_device(x, m):
+      local = functools.reduce(ops.merge_metrics, [_device_metrics(x[d], m[d]) for d in range(4)])
+      return ops.reduce_metrics(local, "i")
+
+    out = jax.pmap(per_device, axis_name="i")(np.stack([X4] * n), np.stack([M4] + [0 * M4] * (n - 1)))
+    for d in range(n):
+      self.check(jax.tree.map(lambda leaf, d=d: leaf[d], out))
+
+  def test_single_metric_and_errors(self):
+    out = jax.vmap(lambda v: ops.reduce_metric(ops.MinMetric(v), "d"), axis_name="d")(jnp.array([3.0, 1.0]))
+    np.testing.assert_array_equal(out.min, [1.0, 1.0])
+    with self.assertRaisesRegex(TypeError, "not a metric"):
+      jax.vmap(lambda v: ops.reduce_metric(v, "d"), axis_name="d")(jnp.ones(2))
+
+
 def _np_group_stats(x, ids, n, ddof=1):
   mean = np.zeros(n)
   std = np.zeros(n)
@@ -157,6 +209,35 @@ class SegmentTest(chex.TestCase):
     np.testing.assert_allclose(ops.segment_std(x, ids, 1, weights=w), ops.segment_std(dup, ids, 1), rtol=1e-6)
     np.testing.assert_allclose(ops.segment_std(dup, ids, 1), np.std([1, 1, 5], ddof=1), rtol=1e-6)
     self.assertEqual(float(ops.segment_max(x, ids, 1, weights=w)[0]), 5.0)
+
+  @parameterized.parameters(2, 4)
+  def test_rows_split_over_an_axis(self, devices):
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=24).astype(np.float32)
+    ids = rng.integers(0, 5, size=24).astype(np.int32)
+    w = rng.integers(0, 3, size=24).astype(np.float32)
+
+    def stats(x, ids, w, axis_name=None):
+      return (ops.segment_mean_std(x, ids, 6, weights=w, axis_name=axis_name),
+              ops.segment_sum(x, ids, 6, weights=w, axis_name=axis_name),
+              ops.segment_count(ids, 6, weights=w, axis_name=axis_name),
+              ops.segment_max(x, ids, 6, weights=w, axis_name=axis_name, empty_value=-1.0))
+
+    whole = stats(x, ids, w)
+    split = jax.vmap(functools.partial(stats, axis_name="dev"), axis_name="dev")(
+        *(a.reshape(devices, -1) for a in (x, ids, w)))
+    # Only the order of the float32 additions differs: two orders of a sum of n terms differ by at most
+    # n * eps * sum|terms| <= n^2 * eps * max|w x| (each is within (n - 1) eps / 2 sum|terms| of the exact
+    # sum); means and stds are such sums divided by counts (exact), the std through a square root that
+    # halves relative errors, and their squares are <= (2 max|x|)^2, hence the square below.
+    n = x.size
+    tol = n * n * np.finfo(np.float32).eps * (w.max() * np.abs(x).max()) ** 2
+    for d in range(devices):
+      chex.assert_trees_all_close(jax.tree.map(lambda leaf, d=d: leaf[d], split), whole, atol=tol)
+    # Counts and maxima are exact in any order.
+    np.testing.assert_array_equal(split[2][0], whole[2])
+    np.testing.assert_array_equal(split[3][0], whole[3])
+    self.assertEqual(float(whole[3][5]), -1.0)  # segment 5 is empty
 
   def test_bad_ids(self):
     with self.assertRaisesRegex(ValueError, "outside"):

@@ -55,10 +55,12 @@ def test_learner_log_probs_equal_the_samplers_before_any_update(top_k, top_p):
   sampling = SamplingSettings.from_config(cfg)
   learner = np.asarray(rollout_lib.sequence_token_log_probs(
       graphdef, params, jnp.asarray(batch["ids"]), jnp.asarray(batch["attention_mask"]), sampling))
-  # Both sides compute the same float32 log-softmax of the same logits (full forward vs. KV-cached decode:
-  # the attention sums run in a different order), |log p| <= log V ~ 6, so a few ulps of 6 plus the
-  # logits' own cached-vs-full difference (~1e-6 for this 1-layer model): 1e-5 absolute.
-  np.testing.assert_allclose(learner[mask], batch["sampler_logp"][mask], atol=1e-5)
+  # Both sides compute the same float32 log-softmax of logits from a full forward vs a KV-cached decode: sums
+  # in other orders over d 32 + MLP 64 + <= 24 positions (attention) + V (the softmax) terms, each of the size
+  # of a log-prob (|log p| <= log V + 1 ~ 7 for a fresh model): worst case (120 + V) eps 7 (~3e-4; a
+  # distribution mismatch shows as > 1e-2, below).
+  dlogp = (32 + 64 + 24 + tok.vocab_size) * np.finfo(np.float32).eps * 7
+  np.testing.assert_allclose(learner[mask], batch["sampler_logp"][mask], rtol=0, atol=dlogp)
   # The temperature-1 log-probs (what the learner used to compute) are not the sampler's.
   plain = np.asarray(rollout_lib.sequence_token_log_probs(
       graphdef, params, jnp.asarray(batch["ids"]), jnp.asarray(batch["attention_mask"])))
@@ -68,8 +70,8 @@ def test_learner_log_probs_equal_the_samplers_before_any_update(top_k, top_p):
   fed = {k: jnp.asarray(v) for k, v in batch.items()}
   fed["old_logp"] = fed.pop("sampler_logp")
   _, metrics = loss(nnx.merge(graphdef, params), fed)
-  assert abs(float(metrics["ratio_min"].value) - 1) <= 1e-5
-  assert abs(float(metrics["ratio_max"].value) - 1) <= 1e-5
+  assert abs(float(metrics["ratio_min"].value) - 1) <= 2 * dlogp  # exp(dlogp) - 1, and the loss's own forward
+  assert abs(float(metrics["ratio_max"].value) - 1) <= 2 * dlogp
 
 
 def test_kl_penalty_with_a_truncated_sampler_is_refused():

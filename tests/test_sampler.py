@@ -7,8 +7,7 @@ import pytest
 from flax import nnx
 
 from lemon_rl.models import Transformer, get_preset
-from lemon_rl.ops import token_log_probs
-from lemon_rl.sampling import filter_logits, generate
+from lemon_rl.sampling import filter_logits, generate, sampling_log_probs, sampling_logits
 from lemon_rl.sampling import sampler as sampler_lib
 
 
@@ -21,20 +20,26 @@ def model():
 PROMPTS = [[3, 7, 9, 11, 2], [5], [8, 8, 8, 1, 2, 3, 4, 5, 6, 7, 9]]
 
 
-def _teacher_forced(model, prompts, out, temperature=1.0, top_k=0, top_p=1.0):
-  """Log-probs of the sampled tokens from a plain forward pass over prompt + completion."""
-  seqs = [list(p) + out.tokens[i, :out.lengths[i]].tolist() for i, p in enumerate(prompts)]
-  width = max(map(len, seqs))
+def _right_padded(seqs, width=None):
+  width = width or max(map(len, seqs))
   ids = np.zeros((len(seqs), width), np.int32)
   mask = np.zeros_like(ids)
   for i, s in enumerate(seqs):
     ids[i, :len(s)] = s
     mask[i, :len(s)] = 1
-  logits = model(jnp.asarray(ids), jnp.asarray(mask)) / temperature
-  if top_k or top_p < 1:
-    b, t, v = logits.shape
-    logits = filter_logits(logits.reshape(b * t, v), jnp.int32(top_k), jnp.float32(top_p)).reshape(b, t, v)
-  logp = np.asarray(token_log_probs(logits[:, :-1], jnp.asarray(ids[:, 1:])))
+  return ids, mask
+
+
+def _full_sequences(prompts, out):
+  """Right-padded prompt + completion ids ``[B, T]`` and mask, as a learner would score them."""
+  return _right_padded([list(p) + out.tokens[i, :out.lengths[i]].tolist() for i, p in enumerate(prompts)])
+
+
+def _teacher_forced(model, prompts, out, temperature=1.0, top_k=0, top_p=1.0):
+  """The learner's view: ``sampling_log_probs`` of the sampled tokens from a full forward pass."""
+  ids, mask = _full_sequences(prompts, out)
+  logits = model(jnp.asarray(ids), jnp.asarray(mask))
+  logp = np.asarray(sampling_log_probs(logits[:, :-1], jnp.asarray(ids[:, 1:]), temperature, top_k, top_p))
   result = np.zeros_like(out.log_probs)
   for i, p in enumerate(prompts):
     n = out.lengths[i]
@@ -48,10 +53,53 @@ def test_log_probs_equal_teacher_forced_forward(model):
   assert out.mask.sum() == out.lengths.sum() == 3 * 12
 
 
-def test_log_probs_follow_the_filtered_distribution(model):
-  kwargs = dict(temperature=0.7, top_k=10, top_p=0.8)
+# The sampler's logits come from the cached decode path, the learner's from a full forward; the two differ
+# by float32 rounding of differently ordered sums, about sqrt(K) * eps * |logit| ~ 1e-6 for this model
+# (K <= 128, |logits| < 1). A log-prob moves by at most twice the largest logit change divided by the
+# temperature, so 1e-5 leaves a margin of several times; a wrong distribution (another temperature, filter
+# or position) is off by far more than that.
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 0.9), (0.7, 10, 1.0), (0.7, 10, 0.8),
+                                                      (0.0, 0, 1.0)])
+def test_sampling_log_probs_of_a_full_forward_equal_generate_log_probs(model, temperature, top_k, top_p):
+  kwargs = dict(temperature=temperature, top_k=top_k, top_p=top_p)
   out = generate(model, PROMPTS, max_new_tokens=8, rng=jax.random.key(4), **kwargs)
   np.testing.assert_allclose(out.log_probs, _teacher_forced(model, PROMPTS, out, **kwargs), atol=1e-5)
+
+
+def test_greedy_equals_argmax_of_the_full_forward(model):
+  out = generate(model, PROMPTS, max_new_tokens=6, rng=jax.random.key(0), temperature=0.0)
+  forward = nnx.jit(type(model).__call__)  # one compile: every step has the same padded shape
+  seqs = [list(p) for p in PROMPTS]
+  for _ in range(6):
+    ids, mask = _right_padded(seqs, width=24)
+    logits = forward(model, jnp.asarray(ids), jnp.asarray(mask))
+    for i, seq in enumerate(seqs):
+      seq.append(int(jnp.argmax(logits[i, len(seq) - 1])))
+  for i, p in enumerate(PROMPTS):
+    np.testing.assert_array_equal(out.tokens[i], seqs[i][len(p):])
+
+
+def test_sampling_distribution_pieces():
+  logits = jnp.log(jnp.array([[0.4, 0.3, 0.2, 0.1], [0.1, 0.2, 0.3, 0.4]]))
+  # Greedy: unchanged, unfiltered (temperature-1 log-probs).
+  np.testing.assert_array_equal(sampling_logits(logits, 0.0, 1, 0.1), logits)
+  np.testing.assert_allclose(sampling_log_probs(logits, jnp.array([3, 0]), 0.0, 1, 0.1), np.log([0.1, 0.1]),
+                             rtol=1e-6)
+  # Temperature 0.5 squares the probabilities; top-k 2 then renormalises over the kept pair.
+  want = np.log(np.array([0.16, 0.09]) / 0.25)
+  np.testing.assert_allclose(sampling_log_probs(logits, jnp.array([0, 1]), 0.5, 2)[0], want[0], rtol=1e-5)
+  np.testing.assert_allclose(sampling_log_probs(logits, jnp.array([3, 2]), 0.5, 2)[1], want[1], rtol=1e-5)
+  # A scored token outside the kept set still gets a finite log-prob (it is counted as kept).
+  outside = sampling_log_probs(logits, jnp.array([3, 0]), 1.0, 2, 1.0)
+  np.testing.assert_allclose(outside, np.log([0.1 / 0.8, 0.1 / 0.8]), rtol=1e-5)
+  # Any leading shape, traced parameters (greedy included), same values as static ones.
+  x = jax.random.normal(jax.random.key(0), (2, 3, 17))
+  tokens = jax.random.randint(jax.random.key(1), (2, 3), 0, 17)
+  traced = jax.jit(sampling_log_probs)
+  for t, k, p in [(0.7, 5, 0.9), (1.3, 0, 0.5), (0.0, 3, 0.5), (1.0, 0, 1.0)]:
+    np.testing.assert_allclose(traced(x, tokens, t, k, p), sampling_log_probs(x, tokens, t, k, p), rtol=1e-6)
+    rows = np.stack([np.asarray(filter_logits(x[i], jnp.int32(k), jnp.float32(p))) for i in range(2)])
+    np.testing.assert_array_equal(filter_logits(x, k, p), rows)
 
 
 def test_same_rng_same_output_and_different_rng_differs(model):
@@ -67,7 +115,7 @@ def test_eos_stops_rows_and_masks_padding(model):
   # Pick as EOS the greedy first token of row 0 so that it stops at once.
   greedy = generate(model, PROMPTS, 6, jax.random.key(0), temperature=0.0)
   eos = int(greedy.tokens[0, 0])
-  out = generate(model, PROMPTS, 6, jax.random.key(0), temperature=0.0, eos_id=eos, pad_id=63)
+  out = generate(model, PROMPTS, 6, jax.random.key(0), temperature=0.0, eos_ids=eos, pad_id=63)
   assert out.finish_reasons[0] == "eos" and out.lengths[0] == 1
   assert out.mask[0].tolist() == [1, 0, 0, 0, 0, 0]  # EOS included, padding excluded
   assert (out.tokens[0, 1:] == 63).all() and (out.log_probs[0, 1:] == 0).all()
@@ -75,6 +123,24 @@ def test_eos_stops_rows_and_masks_padding(model):
     n = out.lengths[i]
     assert out.finish_reasons[i] == ("eos" if eos in greedy.tokens[i].tolist() else "length")
     np.testing.assert_array_equal(out.tokens[i, :n], greedy.tokens[i, :n])
+
+
+def test_a_row_stops_on_any_of_several_eos_ids(model):
+  free = generate(model, PROMPTS, 8, jax.random.key(5), temperature=1.0)
+  eos = [int(free.tokens[0, 2]), int(free.tokens[2, 3])]
+  out = generate(model, PROMPTS, 8, jax.random.key(5), temperature=1.0, eos_ids=eos, pad_id=63)
+  stopped_on = set()
+  for i in range(len(PROMPTS)):
+    hits = np.isin(free.tokens[i], eos)
+    n = int(hits.argmax()) + 1 if hits.any() else 8
+    assert out.lengths[i] == n and out.finish_reasons[i] == ("eos" if hits.any() else "length")
+    np.testing.assert_array_equal(out.tokens[i, :n], free.tokens[i, :n])  # same key: same draws until EOS
+    assert (out.tokens[i, n:] == 63).all()
+    if hits.any():
+      stopped_on.add(int(out.tokens[i, n - 1]))
+  assert stopped_on == set(eos)  # one row stopped on each id
+  single = generate(model, PROMPTS, 8, jax.random.key(5), temperature=1.0, eos_ids=eos[0])
+  assert single.finish_reasons[0] == "eos" and single.lengths[0] == out.lengths[0]
 
 
 def test_filter_logits_keeps_exactly_the_top_sets():
@@ -104,10 +170,12 @@ def test_top_k_top_p_never_emit_outside_the_kept_set(model, top_k, top_p):
   probs = np.asarray(jax.nn.softmax(first))[0]
   se = np.sqrt(probs * (1 - probs) / len(prompts))
   assert np.all(np.abs(counts / len(prompts) - probs) <= 5 * se + 1e-3)
-  # Every later token lies inside the kept set of its own context: its filtered log-prob is finite.
+  # Every later token lies inside the kept set of its own context: its filtered logit is finite.
   head = out._replace(tokens=out.tokens[:32], log_probs=out.log_probs[:32], lengths=out.lengths[:32])
-  filtered = _teacher_forced(model, prompts[:32], head, temperature=1.5, top_k=top_k, top_p=top_p)
-  assert np.isfinite(filtered).all()
+  ids, mask = _full_sequences(prompts[:32], head)
+  dist = sampling_logits(model(jnp.asarray(ids), jnp.asarray(mask))[:, :-1], 1.5, top_k, top_p)
+  picked = np.take_along_axis(np.asarray(dist), ids[:, 1:, None], axis=-1)[..., 0]
+  assert np.isfinite(picked[:, 2:]).all()  # completion positions (prompt length 3, no EOS)
 
 
 def test_compiles_once_per_bucket_and_length(model):

@@ -141,7 +141,7 @@ def sample_cases(model, tokenizer, examples: Sequence[Mapping[str, Any]], num_sa
     chunk = rows[start:start + batch_size]
     prompt_ids = [encode_prompt(tokenizer, ex["prompt"]) for ex in chunk]
     out = generate(model, prompt_ids, max_new_tokens, jax.random.fold_in(rng, b), temperature=temperature,
-                   eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+                   eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id)
     for i, ex in enumerate(chunk):
       ids = out.tokens[i, :out.lengths[i]].tolist()
       text = decode_completion(tokenizer, ids)

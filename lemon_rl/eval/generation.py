@@ -30,7 +30,7 @@ def evaluate(model, tokenizer, examples: Sequence[Mapping[str, Any]], reward_fn,
     chunk = slice(start, start + batch_size)
     ids = [encode_prompt(tokenizer, p) for p in prompts[chunk]]
     out = generate(model, ids, max_new_tokens, jax.random.fold_in(key, start), temperature=temperature,
-                   eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+                   eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id)
     completion_ids = [out.tokens[i, :out.lengths[i]].tolist() for i in range(len(ids))]
     completions = [decode_completion(tokenizer, c) for c in completion_ids]
     result = as_reward_output(

@@ -75,15 +75,16 @@ def right_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int) -> tup
 
 
 def eos_array(eos_ids: int | Sequence[int] | None) -> np.ndarray:
-  """``eos_ids`` as a non-empty int32 array (``[-1]``, which matches no token, for ``None`` / empty)."""
+  """``eos_ids`` as a non-empty int32 array (``[-1]``, which matches no token, for ``None`` / empty).
+
+  A negative id never matches a sampled token, so ``(-1,)`` also means "never stop early".
+  """
   if eos_ids is None:
     ids = []
   elif isinstance(eos_ids, (int, np.integer)):
     ids = [int(eos_ids)]
   else:
     ids = [int(i) for i in eos_ids]
-  if any(i < 0 for i in ids):
-    raise ValueError(f"eos_ids must be non-negative token ids, got {eos_ids}")
   return np.asarray(ids or [-1], np.int32)
 
 

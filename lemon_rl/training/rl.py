@@ -97,19 +97,12 @@ def check_config(config) -> None:
   cc.require(rl.advantage_estimator != "gigpo", "rl.advantage_estimator", rl.advantage_estimator,
              "gigpo needs per-step anchor states (multi-turn); the single-turn trainers take an outcome "
              "estimator: grpo, dr_grpo, rloo or reinforce_pp_baseline")
-  cc.require_name(pg.POLICY_LOSSES, "rl.policy_loss", rl.policy_loss)
-  if rl.aggregation is not None:
-    cc.require_name(pg.AGGREGATIONS, "rl.aggregation", rl.aggregation)
-  cc.require_name(pg.KL_ESTIMATORS, "rl.kl_estimator", rl.kl_estimator)
   cc.require_choice(("cosine", "constant"), "rl.lr_schedule", rl.lr_schedule)
   cc.require(0 < rl.top_p <= 1, "rl.top_p", rl.top_p, "must be in (0, 1]")
-  cc.require(rl.eps_low is None or 0 <= rl.eps_low < 1, "rl.eps_low", rl.eps_low, "must be in [0, 1)")
-  cc.require(not rl.use_tis or (rl.tis_cap or 0) > 0, "rl.tis_cap", rl.tis_cap,
-             "rl.use_tis=True needs a truncation rl.tis_cap > 0")
-  cc.require(not (rl.kl_coef and SamplingSettings.from_config(rl).filters), "rl.kl_coef", rl.kl_coef,
-             f"a KL penalty needs an untruncated sampling distribution (rl.top_k=0, rl.top_p=1.0; got "
-             f"{rl.top_k}, {rl.top_p}): the reference's log-prob of a token outside its own top-k / top-p set "
-             "is -inf")
+  try:  # The loss's own checks (names, clip ranges, TIS cap, KL with a truncated sampler), before compiling.
+    policy_loss_from_config(rl)
+  except ValueError as e:
+    raise cc.ConfigError(f"config.rl: {e}") from None
   rows = rl.prompts_per_step * rl.num_generations
   minibatch = rl.minibatch_size or rows
   cc.require(rows % minibatch == 0, "rl.minibatch_size", rl.minibatch_size,
