@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 import jax
 import jax.numpy as jnp
-from ml_collections import config_dict
 import numpy as np
 import pytest
 

@@ -21,7 +21,7 @@ from flax import nnx
 
 from lemon_rl.losses import advantages as advantages_lib
 from lemon_rl.losses import policy_gradient as pg
-from lemon_rl.losses.surrogate import SurrogateSettings, surrogate_fields_from_config  # pylint: disable=unused-import
+from lemon_rl.losses.surrogate import SurrogateSettings, surrogate_fields_from_config
 from lemon_rl.rewards.combine import WeightedReward
 from lemon_rl.training import rollout as rollout_lib
 from lemon_rl.training import state as state_lib

@@ -55,7 +55,7 @@ class SamplingSettings:
 
   @property
   def filters(self) -> bool:
-    """Whether top-k or top-p truncates the distribution (then log-probs outside it are ``-inf``)."""
+    """Whether top-k or top-p truncates the sampling distribution (it has no density outside its kept set)."""
     return self.temperature > 0 and (self.top_k > 0 or self.top_p < 1)
 
   def token_log_probs(self, logits: jax.Array, targets: jax.Array) -> jax.Array:
