@@ -1,0 +1,440 @@
+"""Lossless batched speculative decoding: a drafter proposes ``K`` tokens, the target verifies them at once.
+
+``speculative_generate(target, drafter, prompts, max_new_tokens, rng, num_draft=K, ...)`` returns what
+:func:`lemon_rl.sampling.sampler.generate` returns (tokens, log-probs under the target's sampling
+distribution, mask, lengths, finish reasons) plus per-row acceptance statistics, and samples from exactly the
+same distribution: token for token the same output for greedy decoding, the same distribution at any
+temperature / top-k / top-p.
+
+One iteration, for every row at once (each row keeps its own length and position in both KV caches):
+
+1. The drafter proposes ``d_1..d_K`` after the row's last emitted token ``x`` (a chain, each ``d_j`` drawn
+   from the drafter's sampling distribution ``q_j``, or its argmax for greedy decoding).
+2. The target runs ``[x, d_1..d_K]`` in ONE ``Transformer.extend`` of ``K + 1`` tokens over its cache, which
+   gives ``p_0..p_K``, ``p_j`` the target's distribution of the token after ``d_j`` (``d_0 = x``).
+3. Verification. Greedy: ``d_j`` is accepted while it equals ``argmax p_{j-1}``; the first mismatch is
+   replaced by the target's argmax, and when all ``K`` match the target's argmax after ``d_K`` is a bonus
+   token, so the output is the target's own greedy decoding. Sampling (Leviathan et al. 2023, Chen et al.
+   2023): ``d_j`` is accepted with probability ``min(1, p_{j-1}(d_j) / q_j(d_j))`` (one uniform per
+   position, tested in log space); at the first rejection ``j`` the token is drawn from the normalised
+   residual ``max(0, p_{j-1} - q_j)``; when all ``K`` are accepted a bonus token is drawn from ``p_K``.
+   Every emitted token is then distributed exactly as under the target alone.
+4. The accepted drafts plus the corrected/bonus token (``n + 1`` tokens for ``n`` accepted) are appended to
+   the row's output, cut at the row's first EOS and at ``max_new_tokens``; both caches are rolled back to
+   the kept prefix (``KVCache.truncate``), so the next iteration continues from the emitted sequence.
+
+``p`` and ``q`` are both :func:`lemon_rl.sampling.distribution.sampling_logits` of their model's logits
+with the same ``(temperature, top_k, top_p)``, the one definition of the sampling distribution, so top-k /
+top-p are applied to both consistently (losslessness holds for any ``q``; filtering ``q`` like ``p`` only
+keeps the acceptance rate up). The first completion token is drawn from the target's prefill logits as in
+``generate`` (no draft for it).
+
+Invariant between iterations (row ``b`` with ``g`` emitted tokens ``y_1..y_g``): the target cache holds the
+prompt and ``y_1..y_{g-1}``; ``y_g`` is pending (the ``x`` of the next iteration). The whole decode is one
+``jax.lax.while_loop`` inside one jitted call after a jitted prefill of both models, compiled once per
+(model graphs, batch, prompt bucket, max new tokens, ``K``, sampling mode, number of EOS ids); the
+temperature, top-k and top-p values are traced.
+
+The drafter is anything implementing :class:`Drafter` (three methods on a pytree state, called inside the
+jitted loop). :class:`ModelDrafter` implements it for a plain ``Transformer`` sharing the target's
+vocabulary (a small draft model); passing a ``Transformer`` as ``drafter`` wraps it. A feature-level
+(EAGLE-3-style) drafter implements the same three methods; ``rollback`` already receives the target's
+final-norm hidden states of the verified positions. What it will also need is the target's low/middle/high
+layer features of the prompt and of every verified position, which ``Transformer.prefill`` / ``extend``
+do not expose yet.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple, Protocol, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from lemon_rl.models.transformer import KVCache, Transformer
+from lemon_rl.sampling import distribution
+from lemon_rl.sampling.sampler import SampleOutput, eos_array, prompt_bucket, right_pad
+
+
+def _is_greedy(temperature) -> bool:
+  """Whether ``temperature`` is the static greedy marker (a Python ``0``), as the engine passes it."""
+  return isinstance(temperature, (int, float)) and temperature == 0
+
+
+def draw(logits: jax.Array, key: jax.Array, temperature, top_k, top_p) -> tuple[jax.Array, jax.Array | None]:
+  """One draft token per row of ``logits [..., V]`` and the distribution it was drawn from.
+
+  Returns ``(tokens [...] int32, q)``: for greedy decoding (static ``temperature == 0``) the argmax and
+  ``q = None``; otherwise a categorical draw from ``q = sampling_logits(logits, temperature, top_k,
+  top_p)`` (float32 ``[..., V]``, ``-inf`` outside the kept set), exactly as the sampler draws.
+  """
+  if _is_greedy(temperature):
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+  q = distribution.sampling_logits(logits, temperature, top_k, top_p)
+  return jax.random.categorical(key, q, axis=-1).astype(jnp.int32), q
+
+
+class Drafter(Protocol):
+  """What the engine needs from a drafter; every method is called inside the jitted loop.
+
+  ``state`` is any pytree (caches, pending tokens) threaded through the loop by the engine. ``B`` rows,
+  ``K = num_draft``, ``V`` the target's vocabulary.
+  """
+
+  vocab_size: int
+
+  def prefill(self, input_ids: jax.Array, attention_mask: jax.Array, num_slots: int) -> Any:
+    """Reads the right-padded prompts ``[B, P]`` (as ``Transformer.prefill``); returns the initial state.
+
+    ``num_slots`` bounds the row length (prompt + completion + ``K``) the state must hold.
+    """
+
+  def propose(self, state: Any, last: jax.Array, key: jax.Array, num_draft: int, temperature, top_k,
+              top_p) -> tuple[jax.Array, jax.Array | None, Any]:
+    """Drafts ``K`` tokens after ``last [B]`` (each row's last emitted token, not yet given to ``state``).
+
+    Returns ``(drafts [B, K] int32, q [B, K, V] | None, state)`` with ``q[:, j]`` the sampling logits
+    ``drafts[:, j]`` was drawn from (use :func:`draw`); ``None`` for greedy decoding (``temperature`` is
+    then the Python number 0 and the drafts are argmaxes). Inactive (finished) rows may be drafted for
+    too; the engine ignores them and passes ``num_kept = 0`` for them to :meth:`rollback`.
+    """
+
+  def rollback(self, state: Any, num_kept: jax.Array, target_hidden: jax.Array) -> Any:
+    """Keeps what the target accepted.
+
+    Args:
+      state: the state returned by :meth:`propose`.
+      num_kept: ``[B]`` in ``[0, K + 1]``: the row emitted ``num_kept`` tokens this iteration. They are
+        ``d_1..d_{num_kept - 1}`` then one more token (the correction, the bonus, or, when EOS or the
+        length limit cut the window, ``d_{num_kept}``), which is the ``last`` of the next
+        :meth:`propose`. ``0``: the row was inactive; restore its state from before :meth:`propose`.
+      target_hidden: ``[B, K + 1, E]`` the target's final-norm hidden states of ``[last, d_1..d_K]``
+        (for feature-level drafters; position ``j`` is valid for ``j < num_kept``).
+    """
+
+
+class ModelDraftState(NamedTuple):
+  """State of a :class:`ModelDrafter`.
+
+  The cache holds the prompt and every emitted token except the pending ``last`` and, when ``has_carry``,
+  except ``carry`` too: when all ``K`` drafts are accepted the drafter never ran ``d_K`` through itself,
+  so the next :meth:`ModelDrafter.propose` appends ``[carry, last]`` in one 2-token extend.
+
+  Attributes:
+    cache: the draft model's KV cache.
+    carry: ``[B]`` int32, ``d_K`` of the last proposal (pending when ``has_carry``).
+    has_carry: ``[B]`` bool.
+    base_lengths: ``[B]`` int32 cache lengths before the last proposal (for rollback of inactive rows).
+  """
+
+  cache: KVCache
+  carry: jax.Array
+  has_carry: jax.Array
+  base_lengths: jax.Array
+
+
+class ModelDrafter(nnx.Module):
+  """:class:`Drafter` for a plain ``Transformer`` draft model sharing the target's vocabulary.
+
+  A proposal is one extend of ``[carry, last]`` (or ``[last]``, ``num_new`` per row) then ``K - 1``
+  one-token extends (a ``jax.lax.scan``), each followed by a draw from the draft's sampling distribution.
+  The cache then holds ``last, d_1..d_{K-1}``; rollback truncates it to the kept prefix.
+  """
+
+  def __init__(self, model: Transformer):
+    self.model = model
+
+  @property
+  def vocab_size(self) -> int:
+    return self.model.cfg.vocab_size
+
+  def prefill(self, input_ids, attention_mask, num_slots) -> ModelDraftState:
+    _, cache = self.model.prefill(input_ids, attention_mask, num_slots)
+    b = input_ids.shape[0]
+    return ModelDraftState(cache, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), cache.lengths)
+
+  def propose(self, state: ModelDraftState, last, key, num_draft, temperature, top_k, top_p):
+    model = self.model
+    base = state.cache.lengths
+    first = jnp.stack([jnp.where(state.has_carry, state.carry, last), last], axis=1)
+    hidden, cache = model.extend(first, state.cache, num_new=1 + state.has_carry.astype(jnp.int32))
+    h = jnp.where(state.has_carry[:, None], hidden[:, 1], hidden[:, 0])
+    keys = jax.random.split(key, num_draft)
+    token, q = draw(model.logits_from_hidden(h), keys[0], temperature, top_k, top_p)
+
+    def step(carry, key):
+      cache, token = carry
+      hidden, cache = model.extend(token[:, None], cache)
+      token, q = draw(model.logits_from_hidden(hidden[:, 0]), key, temperature, top_k, top_p)
+      return (cache, token), (token, q)
+
+    (cache, _), (tokens, qs) = jax.lax.scan(step, (cache, token), keys[1:])
+    drafts = jnp.concatenate([token[:, None], tokens.T], axis=1)
+    if q is not None:
+      q = jnp.concatenate([q[:, None], qs.transpose(1, 0, 2)], axis=1)
+    return drafts, q, ModelDraftState(cache, drafts[:, -1], state.has_carry, base)
+
+  def rollback(self, state: ModelDraftState, num_kept, target_hidden) -> ModelDraftState:
+    num_draft = target_hidden.shape[1] - 1
+    active = num_kept > 0
+    # Kept in the cache: the old carry, last, and d_1..d_{num_kept - 1} (at most d_{K-1} was run).
+    kept = state.base_lengths + state.has_carry.astype(jnp.int32) + jnp.minimum(num_kept, num_draft)
+    cache = state.cache.truncate(jnp.where(active, kept, state.base_lengths))
+    has_carry = jnp.where(active, num_kept == num_draft + 1, state.has_carry)
+    return state._replace(cache=cache, has_carry=has_carry)
+
+
+class SpeculativeStats(NamedTuple):
+  """Per-row acceptance statistics (numpy).
+
+  Counted from the verification outcomes, before EOS / length cuts (a row's last window may emit fewer
+  tokens than it accepted). The first token, drawn from the prefill as in ``generate``, is in no count.
+
+  Attributes:
+    target_forwards: ``[B]`` verification passes (one ``extend`` of ``K + 1`` tokens each) while the row
+      was active.
+    drafted: ``[B]`` drafted tokens verified, ``K * target_forwards``.
+    accepted: ``[B]`` accepted drafted tokens.
+    accepted_per_position: ``[B, K]`` how often draft position ``j`` (0-based) was accepted.
+    tau: ``[B]`` acceptance length, tokens per target forward including the correction / bonus token,
+      ``(accepted + target_forwards) / target_forwards`` (NaN for a row with no forward); ``K + 1`` when
+      every draft is accepted.
+  """
+
+  target_forwards: np.ndarray
+  drafted: np.ndarray
+  accepted: np.ndarray
+  accepted_per_position: np.ndarray
+  tau: np.ndarray
+
+  @property
+  def mean_tau(self) -> float:
+    """Batch acceptance length: all emitted-by-verification tokens over all target forwards."""
+    forwards = int(self.target_forwards.sum())
+    return float((self.accepted.sum() + forwards) / forwards) if forwards else float("nan")
+
+  @property
+  def acceptance_rate_per_position(self) -> np.ndarray:
+    """``[K]`` fraction of verification passes that accepted draft position ``j``."""
+    forwards = max(int(self.target_forwards.sum()), 1)
+    return self.accepted_per_position.sum(axis=0) / forwards
+
+
+class SpeculativeOutput(NamedTuple):
+  """:class:`~lemon_rl.sampling.sampler.SampleOutput`'s fields (same meaning) plus ``stats``."""
+
+  tokens: np.ndarray
+  log_probs: np.ndarray
+  mask: np.ndarray
+  lengths: np.ndarray
+  finish_reasons: list[str]
+  stats: SpeculativeStats
+
+  def sample_output(self) -> SampleOutput:
+    return SampleOutput(self.tokens, self.log_probs, self.mask, self.lengths, self.finish_reasons)
+
+
+@functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "num_slots"))
+def _prefill(target_def, target_vars, drafter_def, drafter_vars, ids, mask, num_slots):
+  target, drafter = nnx.merge(target_def, target_vars), nnx.merge(drafter_def, drafter_vars)
+  hidden, cache = target.prefill(ids, mask, num_slots)
+  return target.logits_from_hidden(hidden), cache, drafter.prefill(ids, mask, num_slots)
+
+
+def verify(logits: jax.Array, drafts: jax.Array, q: jax.Array | None, key: jax.Array, temperature, top_k,
+           top_p, resample_from_residual: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Verifies ``K`` drafts per row against the target's logits of ``[last, d_1..d_K]``.
+
+  Args:
+    logits: ``[B, K + 1, V]`` target logits; position ``j`` predicts the token after ``d_j`` (``d_0`` =
+      last).
+    drafts: ``[B, K]`` drafted tokens ``d_1..d_K``.
+    q: ``[B, K, V]`` the draft sampling logits they were drawn from (``None`` for greedy decoding).
+    key: PRNG key (unused for greedy decoding).
+    temperature, top_k, top_p: the sampling distribution (``temperature`` the Python number 0 = greedy).
+    resample_from_residual: ``False`` draws the token after a rejection from ``p`` instead of the
+      residual: *lossy* (SPEC-RL's shortcut), for tests and ablations only.
+
+  Returns:
+    ``(num_accepted [B], emitted [B, K + 1], log_probs [B, K + 1])``: ``emitted[:, :n]`` are the accepted
+    drafts, ``emitted[:, n]`` the correction (or bonus) token, later positions are meaningless;
+    ``log_probs`` the target's sampling log-probs of ``emitted``.
+  """
+  num_draft = drafts.shape[1]
+  if _is_greedy(temperature):
+    emitted = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # the target's own greedy tokens
+    accept = drafts == emitted[:, :num_draft]
+    num_accepted = jnp.sum(jnp.cumprod(accept, axis=1), axis=1, dtype=jnp.int32)
+    return num_accepted, emitted, distribution.sampling_log_probs(logits, emitted, 0.0)
+  accept_key, resample_key = jax.random.split(key)
+  logp = jax.nn.log_softmax(distribution.sampling_logits(logits, temperature, top_k, top_p), axis=-1)
+  logq = jax.nn.log_softmax(q, axis=-1)
+  logp_draft = jnp.take_along_axis(logp[:, :num_draft], drafts[..., None], axis=-1)[..., 0]
+  logq_draft = jnp.take_along_axis(logq, drafts[..., None], axis=-1)[..., 0]  # finite: drawn from q
+  u = jax.random.uniform(accept_key, drafts.shape)
+  accept = jnp.log(u) < logp_draft - logq_draft  # probability min(1, p / q); never where p = 0
+  num_accepted = jnp.sum(jnp.cumprod(accept, axis=1), axis=1, dtype=jnp.int32)
+  # The token at position n: from max(0, p_n - q_n) normalised at a rejection (n < K), from p_K (bonus).
+  index = num_accepted[:, None, None]
+  p_n = jnp.exp(jnp.take_along_axis(logp, index, axis=1)[:, 0])
+  q_ext = jnp.concatenate([jnp.exp(logq), jnp.zeros_like(p_n)[:, None]], axis=1)
+  q_n = jnp.take_along_axis(q_ext, index, axis=1)[:, 0]
+  residual = jnp.maximum(p_n - q_n, 0.0) if resample_from_residual else p_n
+  # An all-zero residual means p_n == q_n up to rounding, where a rejection has probability ~0; use p_n.
+  residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p_n)
+  token = jax.random.categorical(resample_key, jnp.log(residual), axis=-1).astype(jnp.int32)
+  positions = jnp.arange(num_draft + 1)
+  padded = jnp.concatenate([drafts, token[:, None]], axis=1)
+  emitted = jnp.where(positions < num_accepted[:, None], padded, token[:, None])
+  log_probs = jnp.take_along_axis(logp, emitted[..., None], axis=-1)[..., 0]
+  return num_accepted, emitted, log_probs
+
+
+@functools.partial(jax.jit, donate_argnames=("cache", "draft_state"),
+                   static_argnames=("target_def", "drafter_def", "max_new_tokens", "num_draft", "greedy",
+                                    "filtering", "resample_from_residual"))
+def _decode(target_def, target_vars, drafter_def, drafter_vars, cache: KVCache, draft_state, logits, rng,
+            temperature, top_k, top_p, eos_ids, pad_id, *, max_new_tokens, num_draft, greedy, filtering,
+            resample_from_residual):
+  """The speculative loop from prefilled states; ``logits [B, V]`` are the target's after each prompt.
+
+  Returns ``(tokens [B, N], log_probs [B, N], num_generated [B], hit_eos [B], stats, cache,
+  draft_state)`` with ``stats = (forwards, accepted, accepted_per_position)`` and the final states
+  (target cache = prompt + all emitted tokens but the last one).
+  """
+  target, drafter = nnx.merge(target_def, target_vars), nnx.merge(drafter_def, drafter_vars)
+  batch, n, k = logits.shape[0], max_new_tokens, num_draft
+  if greedy:
+    temperature, top_k, top_p = 0.0, 0, 1.0
+  elif not filtering:
+    top_k, top_p = 0, 1.0  # statically off: no sort in the loop
+  rows = jnp.arange(batch)[:, None]
+  positions = jnp.arange(k + 1)
+
+  def is_eos(tokens):
+    return jnp.any(tokens[..., None] == eos_ids, axis=-1)
+
+  rng, key = jax.random.split(rng)
+  first, first_logp = distribution.sample(logits, key, temperature, top_k, top_p)
+  tokens = jnp.full((batch, n), pad_id, jnp.int32).at[:, 0].set(first)
+  log_probs = jnp.zeros((batch, n), jnp.float32).at[:, 0].set(first_logp)
+  generated = jnp.ones((batch,), jnp.int32)
+  hit_eos = is_eos(first)
+  zeros = jnp.zeros((batch,), jnp.int32)
+  stats = (zeros, zeros, jnp.zeros((batch, k), jnp.int32))
+
+  def cond(carry):
+    generated, hit_eos = carry[4], carry[5]
+    return jnp.any(~hit_eos & (generated < n))
+
+  def body(carry):
+    last, cache, draft_state, (tokens, log_probs), generated, hit_eos, stats, rng = carry
+    active = ~hit_eos & (generated < n)
+    rng, draft_key, verify_key = jax.random.split(rng, 3)
+    drafts, q, draft_state = drafter.propose(draft_state, last, draft_key, k, temperature, top_k, top_p)
+    hidden, extended = target.extend(jnp.concatenate([last[:, None], drafts], axis=1), cache,
+                                     num_new=jnp.where(active, k + 1, 0))
+    target_logits = target.logits_from_hidden(hidden)
+    num_accepted, emitted, emitted_logp = verify(target_logits, drafts, q, verify_key, temperature, top_k,
+                                                 top_p, resample_from_residual)
+    # Keep the n + 1 emitted tokens up to the first EOS and the length limit; nothing for finished rows.
+    eos_here = is_eos(emitted) & (positions <= num_accepted[:, None])
+    first_eos = jnp.where(jnp.any(eos_here, axis=1), jnp.argmax(eos_here, axis=1), k + 1)
+    kept = jnp.minimum(jnp.minimum(num_accepted + 1, first_eos + 1), n - generated)
+    kept = jnp.where(active, kept, 0)
+    write = jnp.where(positions < kept[:, None], generated[:, None] + positions, n)  # n: dropped
+    tokens = tokens.at[rows, write].set(emitted, mode="drop")
+    log_probs = log_probs.at[rows, write].set(emitted_logp, mode="drop")
+    hit_eos = hit_eos | jnp.any(eos_here & (positions < kept[:, None]), axis=1)
+    cache = extended.truncate(cache.lengths + kept)  # last and the kept tokens but the final one
+    draft_state = drafter.rollback(draft_state, kept, hidden)
+    last_kept = jnp.take_along_axis(emitted, jnp.maximum(kept - 1, 0)[:, None], axis=1)[:, 0]
+    last = jnp.where(kept > 0, last_kept, last)
+    forwards, accepted, per_position = stats
+    stats = (forwards + active, accepted + jnp.where(active, num_accepted, 0),
+             per_position + (active[:, None] & (positions[:k] < num_accepted[:, None])))
+    return last, cache, draft_state, (tokens, log_probs), generated + kept, hit_eos, stats, rng
+
+  carry = (first, cache, draft_state, (tokens, log_probs), generated, hit_eos, stats, rng)
+  _, cache, draft_state, (tokens, log_probs), generated, hit_eos, stats, _ = jax.lax.while_loop(
+      cond, body, carry)
+  return tokens, log_probs, generated, hit_eos, stats, cache, draft_state
+
+
+def _run(target: Transformer, drafter: Transformer | Drafter, prompts: Sequence[Sequence[int]],
+         max_new_tokens: int, rng: jax.Array, num_draft: int, temperature: float, top_k: int, top_p: float,
+         eos_ids, pad_id: int, min_prompt_bucket: int, resample_from_residual: bool):
+  """:func:`speculative_generate` returning the raw device outputs and the final states."""
+  if not prompts or any(len(p) == 0 for p in prompts):
+    raise ValueError("speculative_generate needs at least one prompt and every prompt needs at least one token")
+  if max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+  if num_draft < 1:
+    raise ValueError(f"num_draft must be >= 1, got {num_draft}")
+  if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+    raise ValueError(f"invalid sampling parameters temperature={temperature}, top_k={top_k}, top_p={top_p}")
+  if isinstance(drafter, Transformer):
+    drafter = ModelDrafter(drafter)
+  if drafter.vocab_size != target.cfg.vocab_size:
+    raise ValueError(f"the drafter's vocabulary ({drafter.vocab_size}) differs from the target's "
+                     f"({target.cfg.vocab_size})")
+  prompt_len = prompt_bucket(max(len(p) for p in prompts), min_prompt_bucket)
+  ids, mask = right_pad(prompts, prompt_len, pad_id)
+  # Room for: the prompt, every completion token but the pending one, and K + 1 verified tokens.
+  num_slots = prompt_len + max_new_tokens + num_draft
+  target_def, target_vars = nnx.split(target)
+  drafter_def, drafter_vars = nnx.split(drafter)
+  logits, cache, draft_state = _prefill(target_def, target_vars, drafter_def, drafter_vars, jnp.asarray(ids),
+                                        jnp.asarray(mask), num_slots=num_slots)
+  greedy = temperature == 0
+  return _decode(target_def, target_vars, drafter_def, drafter_vars, cache, draft_state, logits, rng,
+                 jnp.float32(max(temperature, 1e-6)), jnp.int32(top_k), jnp.float32(top_p),
+                 jnp.asarray(eos_array(eos_ids)), jnp.int32(pad_id), max_new_tokens=max_new_tokens,
+                 num_draft=num_draft, greedy=greedy, filtering=not greedy and (top_k > 0 or top_p < 1),
+                 resample_from_residual=resample_from_residual)
+
+
+def speculative_generate(target: Transformer, drafter: Transformer | Drafter, prompts: Sequence[Sequence[int]],
+                         max_new_tokens: int, rng: jax.Array, num_draft: int = 4, temperature: float = 1.0,
+                         top_k: int = 0, top_p: float = 1.0, eos_ids: int | Sequence[int] | None = None,
+                         pad_id: int = 0, min_prompt_bucket: int = 16,
+                         resample_from_residual: bool = True) -> SpeculativeOutput:
+  """Samples completions from ``target`` with a drafter's proposals, losslessly (see the module docstring).
+
+  Args:
+    target: the model whose distribution is sampled.
+    drafter: a ``Transformer`` over the same vocabulary (wrapped in :class:`ModelDrafter`) or any
+      :class:`Drafter`.
+    prompts: ``B`` lists of token ids (at least one token each).
+    max_new_tokens: ``N``, the length limit.
+    rng: a PRNG key; the same key gives the same output (not the same as ``generate``'s for a key: the
+      random numbers are used differently).
+    num_draft: ``K``, tokens drafted per target forward.
+    temperature, top_k, top_p, eos_ids, pad_id, min_prompt_bucket: as for
+      :func:`lemon_rl.sampling.sampler.generate`; greedy (``temperature = 0``) output equals ``generate``'s
+      greedy output token for token (up to near-ties of the target's top two logits, where the rounding of
+      a ``K + 1``-token verification can pick the other token than a 1-token decode).
+    resample_from_residual: ``False`` makes sampling lossy (resample from ``p`` after a rejection); only for
+      tests and ablations.
+
+  Returns:
+    A :class:`SpeculativeOutput`: ``generate``'s outputs (log-probs of each emitted token under the
+    target's sampling distribution, whether accepted or resampled) and :class:`SpeculativeStats`.
+  """
+  tokens, log_probs, lengths, hit_eos, (forwards, accepted, per_position), _, _ = _run(
+      target, drafter, prompts, max_new_tokens, rng, num_draft, temperature, top_k, top_p, eos_ids, pad_id,
+      min_prompt_bucket, resample_from_residual)
+  tokens, log_probs, lengths, hit_eos, forwards, accepted, per_position = jax.device_get(
+      (tokens, log_probs, lengths, hit_eos, forwards, accepted, per_position))
+  lengths = lengths.astype(np.int32)
+  mask = (np.arange(max_new_tokens)[None] < lengths[:, None]).astype(np.int32)
+  with np.errstate(invalid="ignore", divide="ignore"):
+    tau = np.where(forwards > 0, (accepted + forwards) / np.maximum(forwards, 1), np.nan).astype(np.float32)
+  stats = SpeculativeStats(forwards.astype(np.int32), (num_draft * forwards).astype(np.int32),
+                           accepted.astype(np.int32), per_position.astype(np.int32), tau)
+  reasons = ["eos" if e else "length" for e in hit_eos]
+  return SpeculativeOutput(tokens, np.where(mask, log_probs, 0.0).astype(np.float32), mask, lengths, reasons,
+                           stats)
