@@ -16,6 +16,7 @@ import optax
 from flax import nnx
 
 from lemon_rl.models import Transformer, activation_sharding, get_preset, make_mesh, shard_model
+from lemon_rl.training import rollout as rollout_lib
 from lemon_rl.training import state as state_lib
 from lemon_rl.training.rl import PolicyLoss
 
@@ -46,7 +47,7 @@ def term_scale(model, batch) -> float:
   """``max |A_i| max(r_it, 2)``: a bound on every per-token term of the clipped surrogate (``eps_high <= 1``)."""
   batch = {k: np.asarray(v) for k, v in batch.items()}
   graphdef, params = nnx.split(model, nnx.Param)
-  logp = np.asarray(state_lib.sequence_token_log_probs(graphdef, params, jnp.asarray(batch["ids"]),
+  logp = np.asarray(rollout_lib.sequence_token_log_probs(graphdef, params, jnp.asarray(batch["ids"]),
                                                        jnp.asarray(batch["attention_mask"])))
   mask = batch["loss_mask"] > 0
   ratio = np.exp(logp - batch["old_logp"])[mask]

@@ -15,6 +15,7 @@ from flax import nnx
 from lemon_rl.models import Transformer, get_preset
 from lemon_rl.rewards.combine import WeightedReward, compute_rewards
 from lemon_rl.text import ByteTokenizer
+from lemon_rl.training import rollout as rollout_lib
 from lemon_rl.training import state as state_lib
 from lemon_rl.training.rl import PolicyLoss
 from lemon_rl.training.rollout import group_statistics
@@ -161,7 +162,7 @@ def test_on_policy_update_without_old_log_probs_matches_with_them():
   batch = _train_batch.make_batch(rows=4, vocab=64)
   model = Transformer(CFG, rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(model, nnx.Param)
-  with_old = dict(batch, old_logp=np.asarray(state_lib.sequence_token_log_probs(
+  with_old = dict(batch, old_logp=np.asarray(rollout_lib.sequence_token_log_probs(
       graphdef, params, jnp.asarray(batch["ids"]), jnp.asarray(batch["attention_mask"]))) * batch["loss_mask"])
   without = {k: v for k, v in batch.items() if k != "old_logp"}
   loss_fn = PolicyLoss()

@@ -21,7 +21,6 @@ import time
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 from absl import logging
 from flax import nnx
 from tqdm import tqdm
@@ -95,7 +94,7 @@ class _PhaseRunner:
     self.ckpt = Checkpointer(os.path.join(workdir, "checkpoints", name),
                              max_to_keep=config.checkpoint.max_to_keep, async_save=config.checkpoint.async_save)
 
-  def run(self, phase: Phase, eval_fn: Callable):
+  def run(self, phase: Phase):
     """Runs (or resumes) ``phase``; returns ``(final state, elapsed seconds)``."""
     state, iterator, steps, eval_every = phase.state, phase.iterator, phase.steps, phase.eval_every
     start, elapsed = 0, 0.0
@@ -108,7 +107,7 @@ class _PhaseRunner:
       self.writer.truncate(f"eval_{self.name}", start)
       logging.info("%s: resumed from step %d", self.name, start)
     if start == 0 and eval_every:
-      self._evaluate(state, 0, eval_fn)
+      self._evaluate(state, 0, phase.evaluate)
     bar = tqdm(total=steps, initial=start, desc=self.name, dynamic_ncols=True, mininterval=1.0)
     for step in range(start + 1, steps + 1):
       t0 = time.perf_counter()
@@ -118,7 +117,7 @@ class _PhaseRunner:
       metrics["time/elapsed_s"] = elapsed
       record = self.writer.write(self.name, step, metrics)
       if (eval_every and step % eval_every == 0) or step == steps:
-        record.update(self._evaluate(state, step, eval_fn))
+        record.update(self._evaluate(state, step, phase.evaluate))
       bar.set_postfix({k.split("/")[-2] if k.count("/") > 1 else k.split("/")[-1]: f"{record[k]:.3g}"
                        for k in phase.progress_keys if isinstance(record.get(k), float)}, refresh=False)
       bar.update(1)
@@ -162,8 +161,8 @@ def run(config, workdir: str, final_eval: Callable[[nnx.Module, Task], dict[str,
   graphdef = nnx.graphdef(model)
   test = task.test_examples[:config.eval.num_examples]
 
-  def eval_fn(state):
-    metrics, _ = evaluate(nnx.merge(graphdef, state.params), task.tokenizer, test, task.eval_reward,
+  def evaluate_policy(params):
+    metrics, _ = evaluate(nnx.merge(graphdef, params), task.tokenizer, test, task.eval_reward,
                           task.max_new_tokens, batch_size=config.eval.batch_size)
     return metrics
 
@@ -172,11 +171,11 @@ def run(config, workdir: str, final_eval: Callable[[nnx.Module, Task], dict[str,
     for name in config.phases:
       if not config[name].steps:
         continue
-      phase = PHASES.get(name)(PhaseContext(config, task, model, workdir))
+      phase = PHASES.get(name)(PhaseContext(config, task, model, workdir, evaluate_policy))
       runner = _PhaseRunner(name, config, workdir, writer, sigterm)
-      state, phase_times[name] = runner.run(phase, eval_fn)
+      state, phase_times[name] = runner.run(phase)
       runner.close()
-      nnx.update(model, state.params)
+      phase.finish(state)
     final = final_eval(model, task) if final_eval is not None else None
   writer.close()
   return summarize(workdir, config, phase_times, final)
@@ -186,12 +185,12 @@ def summarize(workdir: str, config, phase_times: dict[str, float],
               final_eval: dict[str, Any] | None = None) -> dict[str, Any]:
   """Writes ``summary.json``, ``summary.txt`` and ``curves.png``; returns the summary dict."""
   records = read_records(os.path.join(workdir, "metrics.jsonl"))
-  summary: dict[str, Any] = {"seed": config.seed, "sft_steps": config.sft.steps, "rl_steps": config.rl.steps,
+  summary: dict[str, Any] = {"seed": config.seed, **{f"{p}_steps": config[p].steps for p in config.phases},
                              "wall_time_s": {k: round(v, 1) for k, v in phase_times.items()}}
   if final_eval is not None:
     summary["final_eval"] = final_eval
-  for phase in config.phases:
-    evals = [r for r in records if r["phase"] == f"eval_{phase}"]
+  for phase in config.phases:  # The policy phases' held-out accuracy and completion length.
+    evals = [r for r in records if r["phase"] == f"eval_{phase}" and "accuracy" in r]
     if evals:
       summary[f"{phase}_initial_accuracy"] = evals[0]["accuracy"]
       summary[f"{phase}_final_accuracy"] = evals[-1]["accuracy"]

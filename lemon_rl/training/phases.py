@@ -5,8 +5,10 @@ each name is a config section with at least ``steps`` and ``eval_every`` and a :
 and config check) registered in :data:`PHASES`. The runner (:func:`lemon_rl.training.experiment.run`) knows nothing of what a phase does:
 for every listed phase with ``steps > 0`` it calls the builder with a :class:`PhaseContext` (the task, the
 model holding the parameters of the previous phase, the config) and gets a :class:`Phase` back (initial
-train state, data iterator, step function), which it runs with resumption, logging, evaluation,
-checkpoints and SIGTERM handling; the phase's final parameters go into the model for the next phase.
+state, data iterator, step, evaluation and finish functions), which it runs with resumption, logging,
+evaluation, checkpoints and SIGTERM handling, then calls ``phase.finish(state)``: the policy phases load
+their final parameters into the model for the next phase; a phase that trains something else (a drafter,
+a tokenizer, a worker) hands its result on its own way and leaves the policy as it is.
 
 A new method adds a phase (drafter training, PPOW, worker training...) by registering a builder here or in
 its own module (``PHASES.register("ppow", PhaseKind(build_ppow_phase, check_ppow_config))``) and listing it
@@ -37,12 +39,21 @@ StepFn = Callable[[state_lib.TrainState, list[dict[str, Any]]], tuple[state_lib.
 
 @dataclasses.dataclass
 class PhaseContext:
-  """What a phase builder may read: the config, the task, the model (previous phase's parameters)."""
+  """What a phase builder may read.
+
+  Attributes:
+    config: the experiment config.
+    task: the task (tokenizer, data sources, rewards).
+    model: the policy, holding the parameters the previous phase ended with.
+    workdir: the run's directory (a phase may persist what it builds there, resume-safely).
+    evaluate_policy: ``evaluate_policy(params) -> metrics``, the held-out evaluation of policy parameters.
+  """
 
   config: Any
   task: Task
   model: nnx.Module
   workdir: str
+  evaluate_policy: Callable[[Any], dict[str, float]]
 
 
 @dataclasses.dataclass
@@ -50,20 +61,39 @@ class Phase:
   """A built phase: the runner resumes ``state`` and ``iterator`` and calls ``step`` ``steps`` times.
 
   Attributes:
-    state: the initial :class:`~lemon_rl.training.state.TrainState` (parameters of ``context.model``).
+    state: the initial state, a pytree the runner checkpoints (a
+      :class:`~lemon_rl.training.state.TrainState` for the policy phases).
     iterator: yields columnar batches ``{field: [B]}``; has ``get_state`` / ``set_state`` (checkpointed).
     step: ``step(state, examples) -> (state, metrics)``.
     steps: number of steps.
-    eval_every: held-out evaluation period (0 = at the start and the end only).
+    eval_every: held-out evaluation period (0 = only at the end).
     progress_keys: metrics shown on the progress bar.
+    evaluate: ``evaluate(state) -> metrics`` on held-out data.
+    finish: ``finish(state)``, called once the phase has run: hands its result to the next phase.
   """
 
-  state: state_lib.TrainState
+  state: Any
   iterator: Iterator[dict[str, list[Any]]]
   step: StepFn
   steps: int
   eval_every: int
   progress_keys: tuple[str, ...]
+  evaluate: Callable[[Any], dict[str, float]]
+  finish: Callable[[Any], None]
+
+
+def policy_phase(ctx: PhaseContext, state: state_lib.TrainState, iterator, trainer, steps: int, eval_every: int,
+                 progress_keys: tuple[str, ...]) -> Phase:
+  """A phase that trains the policy with ``trainer.step(state, examples) -> (state, metrics, extra)``: it is
+  evaluated with the task's held-out evaluation and hands its parameters to the next phase."""
+
+  def step(state, examples):
+    state, metrics, _ = trainer.step(state, examples)
+    return state, metrics
+
+  return Phase(state, iterator, step, steps, eval_every, progress_keys,
+               evaluate=lambda state: ctx.evaluate_policy(state.params),
+               finish=lambda state: nnx.update(ctx.model, state.params))
 
 
 ConfigCheck = Callable[[Any], None]
@@ -98,13 +128,9 @@ def _sft_phase(ctx: PhaseContext, section, source, max_completion_len: int, micr
   graphdef, state = state_lib.create_train_state(ctx.model, optimizer, ctx.config.seed + seed_offset)
   trainer = SFTTrainer(graphdef, optimizer, ctx.task.tokenizer, max_completion_len, microbatch_size,
                        ctx.task.prompt_len)
-
-  def step(state, examples):
-    state, metrics, _ = trainer.step(state, examples)
-    return state, metrics
-
-  return Phase(state, BatchIterator(source, batch_size=section.batch_size, seed=ctx.config.seed), step,
-               section.steps, section.eval_every, ("train/loss", "eval/accuracy"))
+  iterator = BatchIterator(source, batch_size=section.batch_size, seed=ctx.config.seed)
+  return policy_phase(ctx, state, iterator, trainer, section.steps, section.eval_every,
+                      ("train/loss", "eval/accuracy"))
 
 
 def _check_sft_section(name: str) -> ConfigCheck:
@@ -210,13 +236,8 @@ def rl_phase(ctx: PhaseContext) -> Phase:
   optimizer = optimizer_from_section(rl, rl_updates_per_step(rl))
   graphdef, state = state_lib.create_train_state(ctx.model, optimizer, ctx.config.seed + 1)
   trainer, iterator = RL_ALGORITHMS.get(rl.algorithm)(ctx, graphdef, optimizer)
-
-  def step(state, examples):
-    state, metrics, _ = trainer.step(state, examples)
-    return state, metrics
-
-  return Phase(state, iterator, step, rl.steps, rl.eval_every,
-               ("reward/total/mean", "train/clip_frac", "eval/accuracy"))
+  return policy_phase(ctx, state, iterator, trainer, rl.steps, rl.eval_every,
+                      ("reward/total/mean", "train/clip_frac", "eval/accuracy"))
 
 
 def check_rl_config(config) -> None:

@@ -154,10 +154,3 @@ def update_step(graphdef, state: TrainState, batch: Any, *, loss_fn: LossFn,
   values["loss"] = loss.value
   values["grad_norm"] = optax.global_norm(grads)
   return state.replace(params=params, opt_state=opt_state, step=state.step + 1), values
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def sequence_token_log_probs(graphdef, params, ids: jax.Array, attention_mask: jax.Array) -> jax.Array:
-  """``[B, T-1]`` log-prob of each next token ``ids[:, 1:]`` under the model."""
-  model = nnx.merge(graphdef, params)
-  return ops.token_log_probs(model(ids, attention_mask)[:, :-1], ids[:, 1:])

@@ -1,0 +1,265 @@
+"""Speculative decoding: greedy identity with the target, lossless sampling, cache rollback, log-probs."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from scipy import stats
+
+from lemon_rl.models import Transformer, get_preset
+from lemon_rl.sampling import generate, sampling_log_probs, sampling_logits, speculative_generate
+from lemon_rl.sampling import speculative
+from lemon_rl.sampling.sampler import prompt_bucket, right_pad
+
+# Untied embeddings and a larger initialiser than the preset's so that greedy paths of these random models
+# wander over the vocabulary instead of repeating the last token.
+CFG = get_preset("tiny", vocab_size=64, hidden_size=64, num_heads=4, num_kv_heads=2, mlp_dim=128,
+                 tie_embeddings=False, initializer_range=0.1)
+SMALL_CFG = CFG.replace(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, mlp_dim=64)
+PROMPTS = [[20, 34, 50, 6, 45], [1], [8, 8, 8, 1, 2, 3, 4, 5, 6, 7, 9], [33, 12, 60], [5, 44, 17, 28, 9, 61, 2],
+           [14, 14], [3, 59, 26, 40, 11, 7, 52, 30, 19], [62, 0, 23, 47]]
+K = 3
+N = 24
+NO_EOS = [-2, -3]  # two ids that match nothing: every call has two EOS ids (one compiled shape)
+
+# Greedy reference path: ``generate(target, temperature=0)``, a 1-token cached decode. Tie rule: where the
+# speculative output first differs from it in a row, the target's top-two logits at that position (full
+# forward over the reference prefix) must lie within TIE_GAP of each other (a near-tie, where the rounding
+# of the (K+1)-token verification, about sqrt(E) * eps * |logit| ~ 1e-6 here, can pick the other token);
+# the rest of that row is excluded and the tie counted. Any other difference fails. For the seeds below
+# there are no near-ties (the counts are asserted to be 0).
+TIE_GAP = 1e-4
+
+
+def _perturbed(cfg, seed, scale, noise_seed):
+  """A model of ``cfg`` initialised from ``seed`` plus Gaussian noise of std ``scale`` on every parameter."""
+  model = Transformer(cfg, rngs=nnx.Rngs(seed))
+  params = nnx.state(model, nnx.Param)
+  leaves, tree = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(noise_seed), len(leaves))
+  nnx.update(model, jax.tree.unflatten(tree, [x + scale * jax.random.normal(k, x.shape, x.dtype)
+                                              for x, k in zip(leaves, keys)]))
+  return model
+
+
+@pytest.fixture(scope="module")
+def target():
+  return Transformer(CFG, rngs=nnx.Rngs(1))
+
+
+@pytest.fixture(scope="module")
+def drafters(target):
+  """Same architecture as the target (one compiled loop): itself, a noisy copy, an unrelated random model."""
+  return {"identical": target, "noisy": _perturbed(CFG, 1, 0.01, 7), "unrelated": Transformer(CFG, rngs=nnx.Rngs(2))}
+
+
+@pytest.fixture(scope="module")
+def forward(target):
+  return nnx.jit(type(target).__call__)
+
+
+def _padded(seqs, width):
+  ids, mask = right_pad(seqs, width, 0)
+  return jnp.asarray(ids), jnp.asarray(mask)
+
+
+def _count_ties_and_check(forward, target, prompts, out, ref):
+  """Asserts ``out`` equals ``ref`` row by row except after near-ties (see TIE_GAP); returns their number."""
+  ties = 0
+  for i, prompt in enumerate(prompts):
+    diff = np.flatnonzero(out.tokens[i] != ref.tokens[i])
+    if diff.size == 0:
+      assert out.lengths[i] == ref.lengths[i] and out.finish_reasons[i] == ref.finish_reasons[i]
+      np.testing.assert_allclose(out.log_probs[i], ref.log_probs[i], atol=1e-5)
+      continue
+    j = int(diff[0])
+    seq = list(prompt) + ref.tokens[i, :j].tolist()
+    logits = np.asarray(forward(target, *_padded([seq], 48)))[0, len(seq) - 1]
+    top_two = np.sort(logits)[-2:]
+    assert top_two[1] - top_two[0] < TIE_GAP, f"row {i} differs at {j} without a near-tie: {top_two}"
+    ties += 1
+  return ties
+
+
+def test_greedy_equals_target_greedy_at_batch_8_and_1(target, drafters, forward):
+  speculative._decode.clear_cache()
+  key = jax.random.key(0)
+  free = generate(target, PROMPTS, N, key, temperature=0.0, eos_ids=NO_EOS)
+  # EOS mid-batch: a token that the target emits greedily (not first) in some rows but not in all.
+  candidates = [int(t) for t in np.unique(free.tokens[:, 3:])
+                if 0 < np.isin(free.tokens, t).any(axis=1).sum() < len(PROMPTS)]
+  eos = [candidates[0], -2]
+  ref = generate(target, PROMPTS, N, key, temperature=0.0, eos_ids=eos)
+  assert 0 < ref.finish_reasons.count("eos") < len(PROMPTS)
+  assert any(r == "eos" and 1 < n < N for r, n in zip(ref.finish_reasons, ref.lengths))
+  ties = 0
+  outs = {}
+  for name, drafter in drafters.items():
+    outs[name] = out = speculative_generate(target, drafter, PROMPTS, N, jax.random.key(5), num_draft=K,
+                                            temperature=0.0, eos_ids=eos)
+    ties += _count_ties_and_check(forward, target, PROMPTS, out, ref)
+    s = out.stats
+    np.testing.assert_array_equal(s.drafted, K * s.target_forwards)
+    np.testing.assert_array_equal(s.accepted, s.accepted_per_position.sum(axis=1))
+    # Every verification emits accepted + 1 tokens, the last window possibly cut by EOS / the length.
+    emitted = s.accepted + s.target_forwards
+    assert np.all(out.lengths - 1 <= emitted) and np.all(emitted < out.lengths - 1 + K + 1)
+  assert speculative._decode._cache_size() == 1  # one compile for the three drafters and two EOS sets
+  assert ties == 0
+  same = outs["identical"].stats
+  np.testing.assert_array_equal(same.accepted, same.drafted)  # all accepted: tau = K + 1
+  np.testing.assert_array_equal(same.tau[same.target_forwards > 0], K + 1)
+  noisy, unrelated = outs["noisy"].stats, outs["unrelated"].stats
+  assert 0.2 < noisy.accepted.sum() / noisy.drafted.sum() < 0.9 and len(set(noisy.accepted.tolist())) > 2
+  assert unrelated.accepted.sum() / unrelated.drafted.sum() < 0.2  # many rejections
+  # Per-position acceptance never increases (position j needs j - 1 accepted before it).
+  assert np.all(np.diff(noisy.accepted_per_position.sum(axis=0)) <= 0)
+
+  # Batch 1: the first row that stops on EOS, against generate at batch 1.
+  row = ref.finish_reasons.index("eos")
+  ref1 = generate(target, [PROMPTS[row]], N, key, temperature=0.0, eos_ids=eos)
+  assert ref1.finish_reasons == ["eos"] and ref1.lengths[0] == ref.lengths[row]
+  for name in ("identical", "unrelated"):
+    out = speculative_generate(target, drafters[name], [PROMPTS[row]], N, jax.random.key(6), num_draft=K,
+                               temperature=0.0, eos_ids=eos)
+    assert _count_ties_and_check(forward, target, [PROMPTS[row]], out, ref1) == 0
+    np.testing.assert_array_equal(out.tokens, ref.tokens[row:row + 1])
+
+
+# -- lossless sampling --------------------------------------------------------------------------------
+
+V6 = get_preset("tiny", vocab_size=6, hidden_size=32, num_heads=2, num_kv_heads=1, mlp_dim=64,
+                tie_embeddings=False, initializer_range=0.1)
+SMALL_PROMPTS = [[1, 2], [3, 0, 4]]  # different lengths in one batch
+WINDOW = 4  # new tokens: the prefill's token, then K6 drafts + correction / bonus, then more windows
+K6 = 2
+ROWS = 10000  # per prompt
+SETTINGS = [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.5, 3, 1.0), (1.0, 0, 0.8), (0.8, 4, 0.9)]
+
+
+@pytest.fixture(scope="module")
+def small_models():
+  target = Transformer(V6, rngs=nnx.Rngs(3))
+  # A drafter whose q is far from p: other weights, a larger initialiser (peaky q; total variation
+  # distance to p of 0.4-0.7 on these prompts).
+  drafter = Transformer(V6.replace(num_layers=1, hidden_size=16, mlp_dim=32, initializer_range=0.5),
+                        rngs=nnx.Rngs(4))
+  return target, drafter
+
+
+def _exact_joint(target, prompt, temperature, top_k, top_p):
+  """The target's exact distribution of the ``WINDOW`` new tokens, ``[V ** WINDOW]``, by enumeration."""
+  v = target.cfg.vocab_size
+  heads = list(itertools.product(range(v), repeat=WINDOW - 1))
+  logits = target(jnp.asarray([list(prompt) + list(h) for h in heads]))
+  probs = np.asarray(jax.nn.softmax(sampling_logits(logits, temperature, top_k, top_p), axis=-1), np.float64)
+  start = len(prompt) - 1
+  joint = np.ones((len(heads), v))
+  for j in range(WINDOW - 1):
+    joint *= probs[np.arange(len(heads)), start + j, np.asarray(heads)[:, j]][:, None]
+  joint *= probs[:, start + WINDOW - 1]
+  return joint.reshape(-1)  # index = the window read as a base-V number (heads in itertools order)
+
+
+def _chi_square_p_value(tokens, exact, v):
+  """Chi-square goodness of fit of the windows' empirical joint to ``exact``; cells with expected < 5 are
+  pooled. Also asserts that no window of probability 0 was emitted."""
+  counts = np.bincount((tokens * v ** np.arange(WINDOW - 1, -1, -1)).sum(axis=1), minlength=v ** WINDOW)
+  expected = len(tokens) * exact / exact.sum()
+  assert counts[expected == 0].sum() == 0
+  small = expected < 5
+  observed = np.append(counts[~small], counts[small].sum())
+  expected = np.append(expected[~small], expected[small].sum())
+  keep = expected > 0
+  assert keep.sum() > 20
+  return stats.chisquare(observed[keep], expected[keep]).pvalue
+
+
+def test_sampling_is_lossless_and_resampling_from_p_is_not(small_models):
+  target, drafter = small_models
+  prompts = [p for p in SMALL_PROMPTS for _ in range(ROWS)]
+  alpha = 0.01 / (len(SETTINGS) * len(SMALL_PROMPTS))  # family-wise 1% (Bonferroni)
+  for s, (temperature, top_k, top_p) in enumerate(SETTINGS):
+    exact = [_exact_joint(target, p, temperature, top_k, top_p) for p in SMALL_PROMPTS]
+    for residual in (True, False):
+      out = speculative_generate(target, drafter, prompts, WINDOW, jax.random.key(100 + s), num_draft=K6,
+                                 temperature=temperature, top_k=top_k, top_p=top_p, min_prompt_bucket=4,
+                                 resample_from_residual=residual)
+      assert (out.lengths == WINDOW).all()
+      assert out.stats.mean_tau < 1.8  # q is far from p: many rejections, so the residual matters
+      for i in range(len(SMALL_PROMPTS)):
+        p_value = _chi_square_p_value(out.tokens[i * ROWS:(i + 1) * ROWS], exact[i], target.cfg.vocab_size)
+        setting = f"T={temperature} top_k={top_k} top_p={top_p} prompt {i}"
+        if residual:
+          assert p_value > alpha, f"lossless sampling rejected at {setting}: p={p_value:.2e}"
+        else:
+          assert p_value < alpha, f"the lossy variant passed at {setting}: p={p_value:.2e}"
+
+
+# -- rollback and log-probs ---------------------------------------------------------------------------
+
+SAMPLING = dict(temperature=0.8, top_k=20, top_p=0.9)
+
+
+@pytest.fixture(scope="module")
+def small_drafter():
+  return Transformer(SMALL_CFG, rngs=nnx.Rngs(2))
+
+
+def test_caches_after_rollback_equal_a_run_over_the_accepted_prefix(target, small_drafter):
+  tokens, _, generated, _, (forwards, accepted, _), cache, draft_state = jax.device_get(speculative._run(
+      target, small_drafter, PROMPTS, N, jax.random.key(9), K, SAMPLING["temperature"], SAMPLING["top_k"],
+      SAMPLING["top_p"], None, 0, 16, True))
+  assert np.all(accepted < K * forwards) and len(set(accepted.tolist())) > 2  # rejections, mixed lengths
+  # The target holds the prompt and every emitted token but the last; the drafter the same, but for
+  # ``carry`` (d_K of a fully accepted window, which it never ran) when ``has_carry``.
+  target_seqs = [list(p) + tokens[i, :generated[i] - 1].tolist() for i, p in enumerate(PROMPTS)]
+  draft_seqs = [s[:len(s) - int(c)] for s, c in zip(target_seqs, draft_state.has_carry)]
+  for i, c in enumerate(draft_state.has_carry):
+    if c:
+      assert draft_state.carry[i] == tokens[i, generated[i] - 2]
+  width = prompt_bucket(max(map(len, target_seqs)))
+  target_def, target_vars = nnx.split(target)
+  drafter_def, drafter_vars = nnx.split(speculative.ModelDrafter(small_drafter))
+  ref_target = speculative._prefill(target_def, target_vars, drafter_def, drafter_vars,
+                                    *_padded(target_seqs, width), num_slots=width)[1]
+  ref_draft = speculative._prefill(target_def, target_vars, drafter_def, drafter_vars,
+                                   *_padded(draft_seqs, width), num_slots=width)[2].cache
+  # The same keys / values computed by two paths (prefill's causal attention vs appends by extend over
+  # different query counts): float32 sums in another order. Keys/values are O(1); each of the 2 layers
+  # adds relative rounding of about sqrt(E) * eps ~ 1e-6 per matmul (a few in sequence), so 2e-5 absolute
+  # is a margin of several times, and a wrong slot or a stale token is off by O(0.1).
+  for got, want, seqs in ((cache, ref_target, target_seqs), (draft_state.cache, ref_draft, draft_seqs)):
+    np.testing.assert_array_equal(got.lengths, [len(s) for s in seqs])
+    for layer_got, layer_want in zip(got.keys + got.values, want.keys + want.values):
+      for i, s in enumerate(seqs):
+        np.testing.assert_allclose(layer_got[i, :, :len(s)], layer_want[i, :, :len(s)], atol=2e-5, rtol=0)
+
+
+# The engine's log-probs come from the cached (K+1)-token verification, the learner's from a full forward:
+# they differ by float32 rounding of the logits, about sqrt(E) * eps * |logit| ~ 1e-6 here, and a log-prob
+# moves by at most twice that divided by the temperature; 1e-5 leaves a margin of several times while a
+# wrong position, distribution or token is off by far more.
+def test_log_probs_equal_sampling_log_probs_of_a_full_forward(target, small_drafter, forward):
+  out = speculative_generate(target, small_drafter, PROMPTS, N, jax.random.key(9), num_draft=K, **SAMPLING)
+  seqs = [list(p) + out.tokens[i, :out.lengths[i]].tolist() for i, p in enumerate(PROMPTS)]
+  ids, mask = _padded(seqs, 48)
+  logp = np.asarray(sampling_log_probs(forward(target, ids, mask)[:, :-1], ids[:, 1:], **SAMPLING))
+  want = np.zeros_like(out.log_probs)
+  for i, p in enumerate(PROMPTS):
+    want[i, :out.lengths[i]] = logp[i, len(p) - 1:len(p) - 1 + out.lengths[i]]
+  np.testing.assert_allclose(out.log_probs, want, atol=1e-5)
+  assert (out.lengths == N).all() and out.mask.sum() == len(PROMPTS) * N
+
+
+def test_bad_arguments_raise(target):
+  other = Transformer(CFG.replace(vocab_size=32), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="vocabulary"):
+    speculative_generate(target, other, [[1]], 4, jax.random.key(0))
+  with pytest.raises(ValueError, match="num_draft"):
+    speculative_generate(target, target, [[1]], 4, jax.random.key(0), num_draft=0)
+  with pytest.raises(ValueError, match="at least one token"):
+    speculative_generate(target, target, [[1], []], 4, jax.random.key(0))
