@@ -256,7 +256,7 @@ def verify(logits: jax.Array, drafts: jax.Array, q: jax.Array | None, key: jax.A
     key: PRNG key (unused for greedy decoding).
     temperature, top_k, top_p: the sampling distribution (``temperature`` the Python number 0 = greedy).
     resample_from_residual: ``False`` draws the token after a rejection from ``p`` instead of the
-      residual: *lossy* (SPEC-RL's shortcut), for tests and ablations only.
+      residual: *lossy* (SPEC-RL's shortcut), for tests and ablations only. A Python or traced bool.
 
   Returns:
     ``(num_accepted [B], emitted [B, K + 1], log_probs [B, K + 1])``: ``emitted[:, :n]`` are the accepted
@@ -280,9 +280,9 @@ def verify(logits: jax.Array, drafts: jax.Array, q: jax.Array | None, key: jax.A
   # The token at position n: from max(0, p_n - q_n) normalised at a rejection (n < K), from p_K (bonus).
   index = num_accepted[:, None, None]
   p_n = jnp.exp(jnp.take_along_axis(logp, index, axis=1)[:, 0])
-  q_ext = jnp.concatenate([jnp.exp(logq), jnp.zeros_like(p_n)[:, None]], axis=1)
-  q_n = jnp.take_along_axis(q_ext, index, axis=1)[:, 0]
-  residual = jnp.maximum(p_n - q_n, 0.0) if resample_from_residual else p_n
+  q_n = jnp.exp(jnp.take_along_axis(logq, jnp.minimum(index, num_draft - 1), axis=1)[:, 0])
+  q_n = jnp.where((num_accepted < num_draft)[:, None], q_n, 0.0)
+  residual = jnp.where(resample_from_residual, jnp.maximum(p_n - q_n, 0.0), p_n)
   # An all-zero residual means p_n == q_n up to rounding, where a rejection has probability ~0; use p_n.
   residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p_n)
   token = jax.random.categorical(resample_key, jnp.log(residual), axis=-1).astype(jnp.int32)
@@ -295,10 +295,10 @@ def verify(logits: jax.Array, drafts: jax.Array, q: jax.Array | None, key: jax.A
 
 @functools.partial(jax.jit, donate_argnames=("cache", "draft_state"),
                    static_argnames=("target_def", "drafter_def", "max_new_tokens", "num_draft", "greedy",
-                                    "filtering", "resample_from_residual"))
+                                    "filtering"))
 def _decode(target_def, target_vars, drafter_def, drafter_vars, cache: KVCache, draft_state, logits, rng,
-            temperature, top_k, top_p, eos_ids, pad_id, *, max_new_tokens, num_draft, greedy, filtering,
-            resample_from_residual):
+            temperature, top_k, top_p, eos_ids, pad_id, resample_from_residual, *, max_new_tokens, num_draft,
+            greedy, filtering):
   """The speculative loop from prefilled states; ``logits [B, V]`` are the target's after each prompt.
 
   Returns ``(tokens [B, N], log_probs [B, N], num_generated [B], hit_eos [B], stats, cache,
@@ -392,9 +392,9 @@ def _run(target: Transformer, drafter: Transformer | Drafter, prompts: Sequence[
   greedy = temperature == 0
   return _decode(target_def, target_vars, drafter_def, drafter_vars, cache, draft_state, logits, rng,
                  jnp.float32(max(temperature, 1e-6)), jnp.int32(top_k), jnp.float32(top_p),
-                 jnp.asarray(eos_array(eos_ids)), jnp.int32(pad_id), max_new_tokens=max_new_tokens,
-                 num_draft=num_draft, greedy=greedy, filtering=not greedy and (top_k > 0 or top_p < 1),
-                 resample_from_residual=resample_from_residual)
+                 jnp.asarray(eos_array(eos_ids)), jnp.int32(pad_id), jnp.bool_(resample_from_residual),
+                 max_new_tokens=max_new_tokens, num_draft=num_draft, greedy=greedy,
+                 filtering=not greedy and (top_k > 0 or top_p < 1))
 
 
 def speculative_generate(target: Transformer, drafter: Transformer | Drafter, prompts: Sequence[Sequence[int]],
