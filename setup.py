@@ -32,6 +32,7 @@ setup(
         # transformers does not pull a CUDA build; see README.
         "test": [
             "pytest>=9.0",
+            "pytest-xdist>=3.8",  # The suite runs on two workers (-n 2): compiles dominate, one core each.
             "hypothesis>=6.150",
             "transformers>=5.24",
             "nbformat>=5.10",
@@ -43,6 +44,8 @@ setup(
             "tree-sitter-javascript==0.21.4",
             "filelock>=3.12",
             "tenacity>=8.2",
+            # FrozenLake parity tests (lemon_rl/envs/frozenlake.py is pure numpy at run time).
+            "gymnasium>=1.4.0",
         ],
     },
 )
