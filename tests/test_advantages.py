@@ -8,7 +8,6 @@ By-hand tests run under ``chex.variants`` (eager, ``jax.jit``, ``jax.pmap``). Ro
 import collections
 import functools
 
-from absl import flags
 from absl.testing import parameterized
 import chex
 import jax
@@ -22,13 +21,7 @@ from lemon_rl.losses import advantages as adv_lib
 EPS = 1e-6
 
 
-@pytest.fixture(autouse=True)
-def _pmap_variant_on_one_device():
-  """chex skips ``with_pmap`` variants on one device; run them (pmap over the one device pytest sees)."""
-  flag = flags.FLAGS["chex_skip_pmap_variant_if_single_device"]
-  saved, flag.value = flag.value, False
-  yield
-  flag.value = saved
+pytestmark = pytest.mark.usefixtures("pmap_variant_on_one_device")
 
 # ---------------------------------------------------------------------------------------------------
 # Independent NumPy transcriptions (METHODS.md sections 0 and 5), float64, Python loops over groups.

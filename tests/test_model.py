@@ -8,6 +8,7 @@ from flax import nnx
 
 from lemon_rl.models import ModelConfig, Transformer, get_preset, preset_names
 from lemon_rl.models.transformer import causal_attention, grouped_attention
+from lemon_rl.sampling.sampler import right_pad
 
 SMALL = dict(vocab_size=50, hidden_size=32, num_heads=4, num_kv_heads=2, mlp_dim=64)
 
@@ -94,12 +95,7 @@ def f32_tol(reference, width: int = SMALL["mlp_dim"], chained: int = 16) -> floa
 
 
 def _right_padded(seqs, width=None):
-  width = width or max(map(len, seqs))
-  ids = np.zeros((len(seqs), width), np.int32)
-  mask = np.zeros_like(ids)
-  for i, s in enumerate(seqs):
-    ids[i, :len(s)] = s
-    mask[i, :len(s)] = 1
+  ids, mask = right_pad(seqs, width or max(map(len, seqs)), 0)
   return jnp.asarray(ids), jnp.asarray(mask)
 
 

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from lemon_rl.envs.protocol import (Environment, FinishStatus, GymAdapter, InvalidAction, StepResult,
-                                    choice_decoder)
+                                    choice_decoder, finish_status)
 from lemon_rl.losses.policy_gradient import grpo_loss
 from lemon_rl.models import Transformer, get_preset
 from lemon_rl.text import ByteTokenizer, decode_completion, encode_prompt
@@ -188,6 +188,7 @@ def test_abnormal_ends_have_defined_status_and_reward_and_the_batch_goes_on():
   assert len(episodes[4].token_ids) == episodes[4].prompt_length + len(episodes[4].action_ids[0])  # not appended
   assert rewards[5] == [-0.5] and episodes[5].num_turns == 1 and len(episodes[5].action_ids[0]) == 3
   assert envs[5].received == []  # a context-cut action is not sent to the environment
+  assert episodes[5].action_stops == ["context"] and set(episodes[0].action_stops) <= {"eos", "length"}
   assert len(episodes[5].token_ids) == 160 and episodes[5].loss_mask.sum() == 3
   assert episodes[6].num_turns == 0 and episodes[6].total_reward == -0.5 and episodes[6].loss_mask.sum() == 0
   assert episodes[7].num_turns == 0 and episodes[7].total_reward == 0.0 and len(episodes[7].token_ids) == 0
@@ -246,6 +247,10 @@ def test_gym_adapter_and_malformed_actions():
   assert (r.reward, r.done, r.info["success"]) == (1.0, True, True)
   with pytest.raises(InvalidAction):
     env.step("jump")
+  assert finish_status(StepResult("", 1.0, True)) == FinishStatus.SUCCESS
+  assert finish_status(StepResult("", 1.0, True, {"success": False})) == FinishStatus.FAILURE
+  assert finish_status(StepResult("", -1.0, True, {"status": "invalid_action"})) == FinishStatus.INVALID_ACTION
+  assert finish_status(StepResult("", 0.0, True, {"status": "running"})) == FinishStatus.FAILURE
   # In the engine a random policy's text is malformed: invalid_action with the defined penalty.
   envs = [GymAdapter(Line(), choice_decoder({"left": -1, "right": 1}), lambda o, i: f"at {o}") for _ in range(2)]
   episodes = multiturn.run_episodes(MODEL, TOK, envs, [0, 1], settings(invalid_action_reward=-2.0),

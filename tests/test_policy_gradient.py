@@ -8,7 +8,6 @@ while tests/test_loss_transforms.py splits batches over 4 fake devices).
 
 import functools
 
-from absl import flags
 from absl.testing import parameterized
 import chex
 import hypothesis
@@ -29,13 +28,7 @@ from lemon_rl.utils.registry import UnknownNameError
 AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 
 
-@pytest.fixture(autouse=True)
-def _pmap_variant_on_one_device():
-  """chex skips ``with_pmap`` variants on one device; run them (pmap over the one device pytest sees)."""
-  flag = flags.FLAGS["chex_skip_pmap_variant_if_single_device"]
-  saved, flag.value = flag.value, False
-  yield
-  flag.value = saved
+pytestmark = pytest.mark.usefixtures("pmap_variant_on_one_device")
 
 # ---------------------------------------------------------------------------------------------------
 # Independent NumPy transcriptions of METHODS.md section 0 (float64).

@@ -8,6 +8,7 @@ from flax import nnx
 
 from lemon_rl.models import Transformer, get_preset
 from lemon_rl.sampling import filter_logits, generate, sampling_log_probs, sampling_logits
+from lemon_rl.sampling.sampler import right_pad
 from lemon_rl.sampling import sampler as sampler_lib
 
 
@@ -21,13 +22,7 @@ PROMPTS = [[3, 7, 9, 11, 2], [5], [8, 8, 8, 1, 2, 3, 4, 5, 6, 7, 9]]
 
 
 def _right_padded(seqs, width=None):
-  width = width or max(map(len, seqs))
-  ids = np.zeros((len(seqs), width), np.int32)
-  mask = np.zeros_like(ids)
-  for i, s in enumerate(seqs):
-    ids[i, :len(s)] = s
-    mask[i, :len(s)] = 1
-  return ids, mask
+  return right_pad(seqs, width or max(map(len, seqs)), 0)
 
 
 def _full_sequences(prompts, out):

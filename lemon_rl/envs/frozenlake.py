@@ -72,13 +72,13 @@ Rendered as the exact multi-turn text the environment produces.
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
 import re
 from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
+from lemon_rl.data.splits import content_score
 from lemon_rl.envs.protocol import InvalidAction, StepResult
 
 LEFT, DOWN, RIGHT, UP = 0, 1, 2, 3
@@ -151,8 +151,7 @@ def random_map(size: int, frozen_prob: float, rng: np.random.Generator) -> Map:
 
 def bucket_score(desc: Map) -> float:
   """A stable pseudo-random number in ``[0, 1)`` for a map's content (BLAKE2b, independent of any seed)."""
-  digest = hashlib.blake2b(map_text(desc).encode("utf-8"), digest_size=8, person=b"lemon-lake").digest()
-  return int.from_bytes(digest, "big") / 2.0**64
+  return content_score(map_text(desc), b"lemon-lake")
 
 
 def bucket_of(desc: Map, validation_fraction: float = DEFAULT_VALIDATION_FRACTION,

@@ -60,12 +60,12 @@ The verifier :func:`answer_reward` follows ``lemon_rl/rewards/base.py``: reward 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import re
 from typing import Any, Iterator
 
 import numpy as np
 
+from lemon_rl.data.splits import content_score
 from lemon_rl.rewards.base import RewardOutput
 from lemon_rl.rewards.formats import as_text, check_same_length, clean_completion
 
@@ -219,8 +219,7 @@ def sample_problem(rng: np.random.Generator, num_steps: int) -> Problem:
 
 def bucket_score(prompt: str) -> float:
   """A stable pseudo-random number in ``[0, 1)`` for a prompt (BLAKE2b, independent of any seed)."""
-  digest = hashlib.blake2b(prompt.encode("utf-8"), digest_size=8, person=b"lemon-fest").digest()
-  return int.from_bytes(digest, "big") / 2.0**64
+  return content_score(prompt, b"lemon-fest")
 
 
 def bucket_of(prompt: str, test_fraction: float = DEFAULT_TEST_FRACTION,

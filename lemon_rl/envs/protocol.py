@@ -15,7 +15,9 @@ episode, and the episode ends instead of continuing). An environment that prefer
 pass as a no-op with its own penalty just returns a normal :class:`StepResult` for it.
 
 Success: a ``done`` step is a success iff ``info["success"]`` is true; without that key, iff its reward is
-``> 0`` (*Decision*, the convention of sparse 0/1 tasks such as FrozenLake).
+``> 0`` (*Decision*, the convention of sparse 0/1 tasks such as FrozenLake). An environment that ends an
+episode itself for another reason (its own turn budget, a malformed action it chose to end on) says so with
+``info["status"]`` set to a :class:`FinishStatus` value, which the engine then records (:func:`finish_status`).
 
 Any other exception from ``reset`` or ``step`` ends the episode with :attr:`FinishStatus.ENV_ERROR` (and the
 engine's ``env_error_reward``); the other episodes of the batch go on.
@@ -44,6 +46,9 @@ class FinishStatus(str, enum.Enum):
   INVALID_ACTION = "invalid_action"
   CONTEXT_FULL = "context_full"
   ENV_ERROR = "env_error"
+
+
+_STATUS_VALUES = frozenset(s.value for s in FinishStatus)
 
 
 class InvalidAction(ValueError):
@@ -78,6 +83,15 @@ class Environment(Protocol):
   def step(self, action_text: str) -> StepResult:
     """Applies the policy's action; raises :class:`InvalidAction` if the text is malformed."""
     ...
+
+
+def finish_status(result: StepResult) -> "FinishStatus":
+  """The status of a ``done`` step: ``info["status"]`` if it names a :class:`FinishStatus`, else success /
+  failure by :func:`is_success`."""
+  status = (result.info or {}).get("status")
+  if status in _STATUS_VALUES:
+    return FinishStatus(status)
+  return FinishStatus.SUCCESS if is_success(result) else FinishStatus.FAILURE
 
 
 def is_success(result: StepResult) -> bool:

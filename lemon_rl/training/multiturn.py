@@ -23,7 +23,9 @@ episodes share its batch, nor on which slot it runs in.
 
 How an episode ends (:class:`~lemon_rl.envs.protocol.FinishStatus`; ``EpisodeSettings`` holds the rewards):
 
-- ``success`` / ``failure``: the environment said ``done``; the final observation is recorded, not appended.
+- ``success`` / ``failure``: the environment said ``done``; the final observation is recorded, not appended
+  (an environment that ends the episode itself for another reason names it in ``info["status"]``, see
+  :func:`lemon_rl.envs.protocol.finish_status`).
 - ``budget_exhausted``: ``max_turns`` actions were taken without ``done`` (a truncation status, not forced
   tokens); the last observation is recorded, not appended.
 - ``invalid_action``: the environment raised :class:`~lemon_rl.envs.protocol.InvalidAction`; that turn's
@@ -45,10 +47,14 @@ next pending episode starts in that slot at the next turn boundary (its length i
 appended with the same ragged ``extend`` as an observation), so every shape stays static (no recompilation)
 and the slot does useful work again after at most one turn. The alternative, masking without refill
 (``refill=False``: the next ``B`` episodes start only when the whole batch has finished, as static batches
-do), leaves finished rows idle until the longest episode ends; compaction (shrinking the batch as rows
-finish) would recompile the decode loop for every batch size, or bucket it, and still wait for the longest
-episode. Measured on the test's tiny model (2 CPU cores, 32 episodes of 1 to 8 turns, ``B = 8``, 12-token
-actions, temperature 1): see the numbers in the engineer's note of issue 13 and :func:`_refill_note`.
+do), leaves finished rows idle until the longest episode of the wave ends. Measured (2026-11-30, 2 shared CPU
+cores, a 4-layer d-256 random model, 64 ``CounterEnv`` episodes of the test file with 1 to 8 turns drawn
+uniformly, ``B = 8``, 12-token actions, temperature 1, warm compiles, 3 interleaved repeats): refill ran 38
+turn-decodes (93% of row-turns busy) in 3.0 / 3.3 / 4.3 s, masking 60 turn-decodes (59% busy) in 4.6 / 4.4 /
+4.8 s, about 1.4x slower. Compaction (shrinking the batch as rows finish) was not built: it needs a compiled
+decode loop per batch size (or buckets), still waits for the longest episode of each wave (60 turn-decodes
+here), and on an accelerator, where a decode step at small ``B`` costs about the same whatever ``B``, saves
+nothing that refill does not.
 
 Output: one :class:`Episode` per episode, in input order, with its token ids, a token-aligned loss mask (1
 only on policy tokens), the sampler's log-probs, the turn index of every token, and per turn the observation
@@ -69,7 +75,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lemon_rl.envs.protocol import Environment, FinishStatus, InvalidAction, StepResult, is_success
+from lemon_rl.envs.protocol import Environment, FinishStatus, InvalidAction, StepResult, finish_status
 from lemon_rl.models.transformer import KVCache, Transformer
 from lemon_rl.sampling import distribution
 from lemon_rl.sampling.sampler import eos_array
@@ -135,6 +141,8 @@ class Episode:
     remaining_turns: per turn ``t``, ``max_turns - t``: the budget left before action ``t``.
     actions: per turn the decoded action text (what the environment received).
     action_ids: per turn the sampled action ids.
+    action_stops: per turn why the action ended: ``"eos"``, ``"length"`` (``max_action_tokens``) or
+      ``"context"`` (cut by ``num_slots``).
     turn_rewards: per turn the reward (the environment's, or the terminal one of an abnormal end).
     total_reward: ``sum(turn_rewards)`` (the ``reset``-error reward for an episode with no turn).
     status: how it ended.
@@ -155,6 +163,7 @@ class Episode:
   remaining_turns: list[int]
   actions: list[str]
   action_ids: list[list[int]]
+  action_stops: list[str]
   turn_rewards: list[float]
   total_reward: float
   status: FinishStatus
@@ -177,6 +186,7 @@ class _Running:
     self.observations: list[str] = []
     self.actions: list[str] = []
     self.action_ids: list[list[int]] = []
+    self.action_stops: list[str] = []
     self.turn_rewards: list[float] = []
     self.infos: list[Mapping[str, Any]] = []
     self.final_observation: str | None = None
@@ -192,9 +202,10 @@ class _Running:
     self.logp.extend([0.0] * len(ids))
     self.turn.extend([len(self.action_ids)] * len(ids))
 
-  def add_action(self, ids: Sequence[int], logp: Sequence[float], text: str | None) -> None:
+  def add_action(self, ids: Sequence[int], logp: Sequence[float], text: str, stop: str) -> None:
     t = len(self.action_ids)
     self.action_ids.append(list(ids))
+    self.action_stops.append(stop)
     self.actions.append(text)
     self.ids.extend(ids)
     self.mask.extend([1] * len(ids))
@@ -216,7 +227,8 @@ class _Running:
         turn_index=np.asarray(self.turn, np.int32), prompt_length=self.prompt_length,
         observations=list(self.observations),
         remaining_turns=[max_turns - t for t in range(len(self.observations))],
-        actions=list(self.actions), action_ids=list(self.action_ids), turn_rewards=rewards, total_reward=total,
+        actions=list(self.actions), action_ids=list(self.action_ids),
+        action_stops=list(self.action_stops), turn_rewards=rewards, total_reward=total,
         status=FinishStatus(status), num_turns=self.num_turns, final_observation=self.final_observation,
         infos=list(self.infos), error=error)
 
@@ -408,11 +420,11 @@ def run_episodes(model: Transformer, tokenizer, envs: Sequence[Environment], see
       lengths[row] += k
       if not hit_eos[row] and lengths[row] >= cfg.num_slots:
         if k:  # an empty "action" (no room at all) is not a turn
-          ep.add_action(ids, logp[row, :k], decode_completion(tokenizer, ids))
+          ep.add_action(ids, logp[row, :k], decode_completion(tokenizer, ids), "context")
         end(row, FinishStatus.CONTEXT_FULL, cfg.context_full_reward)
         continue
       text = decode_completion(tokenizer, ids)
-      ep.add_action(ids, logp[row, :k], text)
+      ep.add_action(ids, logp[row, :k], text, "eos" if hit_eos[row] else "length")
       try:
         result = ep.env.step(text)
         if not isinstance(result, StepResult):
@@ -430,7 +442,7 @@ def run_episodes(model: Transformer, tokenizer, envs: Sequence[Environment], see
       ep.infos.append(dict(result.info or {}))
       if result.done:
         ep.final_observation = result.observation
-        end(row, FinishStatus.SUCCESS if is_success(result) else FinishStatus.FAILURE)
+        end(row, finish_status(result))
         continue
       if ep.num_turns >= cfg.max_turns:
         ep.final_observation = result.observation
