@@ -97,7 +97,7 @@ def check_config(config) -> None:
   cc.require(rl.advantage_estimator != "gigpo", "rl.advantage_estimator", rl.advantage_estimator,
              "gigpo needs per-step anchor states (multi-turn); the single-turn trainers take an outcome "
              "estimator: grpo, dr_grpo, rloo or reinforce_pp_baseline")
-  cc.require_choice(("cosine", "constant"), "rl.lr_schedule", rl.lr_schedule)
+  cc.require_choice(state_lib.SCHEDULES, "rl.lr_schedule", rl.lr_schedule)
   cc.require(0 < rl.top_p <= 1, "rl.top_p", rl.top_p, "must be in (0, 1]")
   try:  # The loss's own checks (names, clip ranges, TIS cap, KL with a truncated sampler), before compiling.
     policy_loss_from_config(rl)
