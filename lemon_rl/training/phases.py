@@ -34,7 +34,7 @@ from lemon_rl.training.sft import SFTTrainer
 from lemon_rl.utils import config_checks as cc
 from lemon_rl.utils.registry import Registry
 
-StepFn = Callable[[state_lib.TrainState, list[dict[str, Any]]], tuple[state_lib.TrainState, dict[str, float]]]
+StepFn = Callable[[Any, list[dict[str, Any]]], tuple[Any, dict[str, float]]]  # (state, examples) -> (state, metrics)
 
 
 @dataclasses.dataclass
