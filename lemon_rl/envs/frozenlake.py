@@ -78,7 +78,7 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-from lemon_rl.data.splits import content_score
+from lemon_rl.data.splits import content_bucket
 from lemon_rl.envs.protocol import InvalidAction, StepResult
 
 LEFT, DOWN, RIGHT, UP = 0, 1, 2, 3
@@ -149,18 +149,11 @@ def random_map(size: int, frozen_prob: float, rng: np.random.Generator) -> Map:
       return desc
 
 
-def bucket_score(desc: Map) -> float:
-  """A stable pseudo-random number in ``[0, 1)`` for a map's content (BLAKE2b, independent of any seed)."""
-  return content_score(map_text(desc), b"lemon-lake")
-
-
 def bucket_of(desc: Map, validation_fraction: float = DEFAULT_VALIDATION_FRACTION,
               test_fraction: float = DEFAULT_TEST_FRACTION) -> str:
   """``"test"``, ``"validation"`` or ``"train"``: the content-hash bucket of a map."""
-  score = bucket_score(desc)
-  if score < test_fraction:
-    return "test"
-  return "validation" if score < test_fraction + validation_fraction else "train"
+  return content_bucket(map_text(desc), b"lemon-lake", (("test", test_fraction),
+                                                        ("validation", validation_fraction)), "train")
 
 
 def generate_maps(seed: int, num: int, split: str, *, sizes: Sequence[int] | None = None,

@@ -65,7 +65,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from lemon_rl.data.splits import content_score
+from lemon_rl.data.splits import content_bucket
 from lemon_rl.rewards.base import RewardOutput
 from lemon_rl.rewards.formats import as_text, check_same_length, clean_completion
 
@@ -217,18 +217,10 @@ def sample_problem(rng: np.random.Generator, num_steps: int) -> Problem:
   return Problem(start, tuple(steps))
 
 
-def bucket_score(prompt: str) -> float:
-  """A stable pseudo-random number in ``[0, 1)`` for a prompt (BLAKE2b, independent of any seed)."""
-  return content_score(prompt, b"lemon-fest")
-
-
 def bucket_of(prompt: str, test_fraction: float = DEFAULT_TEST_FRACTION,
               expert_fraction: float = DEFAULT_EXPERT_FRACTION) -> str:
   """``"test"``, ``"expert"`` or ``"train"``: the hash bucket of ``prompt``."""
-  score = bucket_score(prompt)
-  if score < test_fraction:
-    return "test"
-  return "expert" if score < test_fraction + expert_fraction else "train"
+  return content_bucket(prompt, b"lemon-fest", (("test", test_fraction), ("expert", expert_fraction)), "train")
 
 
 def split_rng(seed: int, split: str) -> np.random.Generator:
