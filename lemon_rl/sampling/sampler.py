@@ -88,9 +88,6 @@ def eos_array(eos_ids: int | Sequence[int] | None) -> np.ndarray:
   return np.asarray(ids or [-1], np.int32)
 
 
-filter_logits = distribution.filter_logits  # moved to distribution.py; kept importable from here
-
-
 @functools.partial(jax.jit, static_argnames=("graphdef", "num_slots"))
 def _prefill(graphdef, state, ids, mask, num_slots):
   model = nnx.merge(graphdef, state)
