@@ -11,7 +11,7 @@ Model: the Qwen2-shaped benchmark preset ``get_preset("bench")`` (vocab 512, d 2
     its best wall-clock rate and its FLOPs per CPU-second times the CPU count: on a loaded machine the
     wall-clock rate of a two-thread dot collapses, which would make any fraction of it meaningless).
 
-    FLOPs are counted analytically (the PaLM convention, with causal attention counted once):
+    FLOPs are counted analytically (`lemon_rl.models.flops`: the PaLM convention, causal attention once):
         per token: 6 * (N_matmul + V * E) + 3 * 4 * L * H * D * (T + 1) / 2
     with ``N_matmul = L * (E*(H+2K)*D + H*D*E + 3*E*F)`` the non-embedding matmul parameters, ``V * E`` the
     (tied) LM head, and the last term the causal ``q k^T`` and ``p v`` products (query ``t`` sees ``t + 1``
@@ -82,6 +82,7 @@ from flax import nnx
 from ml_collections import config_dict
 
 from lemon_rl.models import ModelConfig, Transformer, get_preset, to_hf
+from lemon_rl.models.flops import train_flops
 from lemon_rl.rewards.combine import WeightedReward
 from lemon_rl.text.tokenizers import ByteTokenizer
 from lemon_rl.training import state as state_lib
@@ -114,15 +115,6 @@ def interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup: int 
       walls[name].append(time.perf_counter() - t0)
       cpus[name].append(cpu_seconds() - c0)
   return {k: (min(walls[k]), float(np.median(walls[k])), float(np.median(cpus[k]))) for k in fns}
-
-
-def train_step_flops(cfg: ModelConfig, batch: int, seq: int) -> float:
-  """Analytic forward + backward FLOPs (see the module docstring)."""
-  e, h, k, d, f, v, layers = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim,
-                              cfg.vocab_size, cfg.num_layers)
-  matmul_params = layers * (e * (h + 2 * k) * d + h * d * e + 3 * e * f) + v * e
-  attention = 3 * 4 * layers * h * d * (seq + 1) / 2
-  return batch * seq * (6 * matmul_params + attention)
 
 
 def make_batch(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
@@ -353,7 +345,7 @@ def main():
   # (a) forward + backward.
   batch = make_batch(cfg)
   tokens = BATCH * (PROMPT_LEN + NEW_TOKENS)
-  flops = train_step_flops(cfg, BATCH, PROMPT_LEN + NEW_TOKENS)
+  flops = train_flops(cfg, BATCH, PROMPT_LEN + NEW_TOKENS)
   lemon_run, xla_flops = lemon_forward_backward(model, batch)
   peak_run, peak_flops = peak_matmul()
   res = interleaved({"peak": peak_run, "lemon_rl": lemon_run,

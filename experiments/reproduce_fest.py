@@ -30,11 +30,11 @@ from absl import flags
 import numpy as np
 
 from configs import fest_math
-from experiments.results_md import write_section
+from experiments import results_md
+from experiments.reports import fest as report
 from lemon_rl.envs import multistep_math
 from lemon_rl.eval import evaluate
 from lemon_rl.eval.pass_at_k import avg_at_k, pass_at_k_from_successes
-from lemon_rl.eval.stats import format_mean_ci, mean_ci
 from lemon_rl.training import experiment
 from lemon_rl.training.metrics import read_records
 
@@ -45,21 +45,13 @@ flags.DEFINE_string("extra_shots", "64,512", "Further shot counts for the shot-d
 flags.DEFINE_float("budget_minutes", 70.0, "Skip extra-shot runs that would start after this much wall time.")
 flags.DEFINE_string("results_dir", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "fest"),
                     "Where curves and the raw results go.")
-flags.DEFINE_bool("write_results", True, "Write the FEST section of experiments/RESULTS.md.")
-flags.DEFINE_bool("report_only", False, "Rewrite the section and curves from <results_dir>/results.json and the "
-                  "runs' metrics (nothing is trained or evaluated).")
+flags.DEFINE_bool("write_results", True, "Regenerate experiments/RESULTS.md (python -m experiments.results_md).")
+flags.DEFINE_bool("report_only", False, "Redraw the curves and print the section from <results_dir>/results.json "
+                  "(nothing is trained or evaluated).")
 FLAGS = flags.FLAGS
 
-METHODS = ("grpo", "sft_then_grpo", "fest_dpo", "fest_grpo")
-SHOT_METHODS = ("sft_then_grpo", "fest_dpo", "fest_grpo", "sft_then_grpo_low_lr", "fest_dpo_low_lr",
-                "fest_grpo_low_lr")
-# Controls at a lower RL learning rate (the shared one is high for sparse rewards, see RESULTS.md); run at
-# --main_shots for every seed after the extra-shot points.
-LOW_LR = 1e-4
-LOW_LR_METHODS = ("grpo_low_lr", "sft_then_grpo_low_lr", "fest_dpo_low_lr", "fest_grpo_low_lr")
-LABELS = {"start": "easy-SFT start", "grpo": "pure GRPO", "sft_then_grpo": "SFT-then-GRPO",
-          "fest_dpo": "FEST-DPO", "fest_grpo": "FEST-GRPO"}
-LABELS.update({f"{m}_low_lr": f"{LABELS[m]}, lr 1e-4" for m in METHODS})
+METHODS, SHOT_METHODS, LOW_LR, LOW_LR_METHODS, LABELS = (report.METHODS, report.SHOT_METHODS, report.LOW_LR,
+                                                      report.LOW_LR_METHODS, report.LABELS)
 
 
 def sampled_scores(model, task, config) -> dict[str, float]:
@@ -133,158 +125,37 @@ def run_one(name: str, seed: int, shots: int, root: str) -> dict[str, Any]:
       "greedy_hard_final": curve[-1][1] if curve else None,
       "after_expert_sft_greedy_hard": expert_sft[-1]["accuracy"] if expert_sft else None,
       "reward_curve": [(r["step"], r["reward/total/mean"]) for r in rl],
+      "diagnostics": fest_diagnostics(workdir),
       "frac_all_wrong_rl": [(r["step"], r.get("fest/frac_all_wrong_groups_rl", r.get("frac_all_equal_groups")))
                             for r in rl],
   }
 
 
-def _key(r):
-  return (r["method"], r["shots"])
+def setup_facts(config) -> dict[str, Any]:
+  """The config facts the FEST section states (saved with the results, so a rerender never reads a config)."""
+  return {"preset": config.model.preset, "sft_steps": config.sft.steps, "sft_batch": config.sft.batch_size,
+          "rl_steps": config.rl.steps, "rl_prompts": config.rl.prompts_per_step,
+          "expert_prompts": config.fest.expert_prompts_per_step, "num_generations": config.rl.num_generations,
+          "expert_sft_steps": fest_math.get_config("sft_then_grpo").expert_sft.steps,
+          "expert_sft_batch": config.expert_sft.batch_size,
+          "betas": [config.fest.beta1, config.fest.beta2, config.fest.beta3], "c": config.fest.c,
+          "num_iterations": config.rl.num_iterations, "learning_rate": config.rl.learning_rate,
+          "eval_samples": config.eval.num_samples, "eval_temperature": config.eval.temperature,
+          "eval_examples": config.eval.num_examples, "eval_shifted": config.eval.num_shifted,
+          "main_shots": FLAGS.main_shots}
 
 
-def _paired(results, a, b, metric):
-  """Per-seed differences ``a - b`` of ``metric`` over the seeds both ran."""
-  by = {(_key(r), r["seed"]): r["final"][metric] for r in results}
-  seeds = sorted({s for (k, s) in by if k == a} & {s for (k, s) in by if k == b})
-  return [by[(a, s)] - by[(b, s)] for s in seeds]
-
-
-def _verdict(diffs) -> str:
-  if not diffs:
-    return "not run"
-  mean, half = mean_ci(diffs)
-  tag = ("yes" if mean - half > 0 else "opposite" if mean + half < 0 else "within noise") if len(diffs) > 1 \
-      else ("higher (1 seed)" if mean > 0 else "not higher (1 seed)")
-  return f"{mean:+.3f} ± {half:.3f} over {len(diffs)} seed(s): {tag}"
-
-
-def write_outputs(results, skipped, command, config, elapsed_s, done: bool) -> str:
+def save(results, skipped, command, config, elapsed_s, done: bool) -> dict[str, Any]:
+  """Writes ``<results_dir>/results.json``, the curves and (for the committed location) RESULTS.md."""
+  saved = {"results": results, "skipped": skipped, "command": command, "elapsed_s": elapsed_s, "done": done,
+           "setup": setup_facts(config)}
   os.makedirs(FLAGS.results_dir, exist_ok=True)
   with open(os.path.join(FLAGS.results_dir, "results.json"), "w") as f:
-    json.dump({"results": results, "skipped": skipped, "command": command, "elapsed_s": elapsed_s,
-               "done": done}, f, indent=1)
-  k = config.eval.num_samples
-  cols = [f"hard/avg@{k}", f"hard/pass@{k}", f"shifted/avg@{k}", f"shifted/pass@{k}"]
-  groups: dict[tuple, list] = {}
-  for r in results:
-    groups.setdefault(_key(r), []).append(r)
-  order = [("start", None), ("grpo", None), ("grpo_low_lr", None)] + [
-      (m, s) for s in sorted({r["shots"] for r in results if r["shots"]}) for m in SHOT_METHODS]
-  rows = ["| method | shots | seeds | " + " | ".join(c.replace("/", " ") for c in cols) +
-          " | hard all-wrong | hard complete | hard line acc | greedy hard (end) | RL steps | wall s / run |",
-          "|" + "---|" * (len(cols) + 9)]
-  for key in order:
-    if key not in groups:
-      continue
-    rs = groups[key]
-    cells = [format_mean_ci([r["final"][c] for r in rs]) for c in cols]
-    greedy = [r["greedy_hard_final"] for r in rs if r["greedy_hard_final"] is not None]
-    walls = [r["process_s"] for r in rs]  # This script's wall clock for the run (SFT not included).
-    rows.append(f"| {LABELS[key[0]]} | {key[1] or '-'} | {','.join(str(r['seed']) for r in rs)} | "
-                + " | ".join(cells) + f" | {format_mean_ci([r['final']['hard/all_wrong'] for r in rs])} | "
-                f"{format_mean_ci([r['final']['hard/complete'] for r in rs], 2)} | "
-                f"{format_mean_ci([r['final']['hard/line_accuracy'] for r in rs], 2)} | "
-                f"{format_mean_ci(greedy) if greedy else '-'} | {rs[0]['rl_steps']} | {np.mean(walls):.0f} |")
-  main = FLAGS.main_shots
-  a = f"hard/avg@{k}"
-  lines = [
-      f"Command: `{command}` (2-core CPU shared with other jobs; {elapsed_s / 60:.0f} min wall"
-      f"{'' if done else ', PARTIAL: still running or stopped early'}).",
-      "",
-      f"Task `fest_math`: a tiny decoder (`{config.model.preset}` preset) is fine-tuned on worked solutions of "
-      f"1-2 step chains ({config.sft.steps} steps x {config.sft.batch_size}); RL then trains on 4-5 step chains "
-      f"(`D_I`, answers only) for {config.rl.steps} steps. FEST: {config.rl.prompts_per_step} `D_I` + "
-      f"{config.fest.expert_prompts_per_step} `D_E` prompts x {config.rl.num_generations} rollouts per step; "
-      f"pure GRPO and SFT-then-GRPO get {config.rl.prompts_per_step + config.fest.expert_prompts_per_step} `D_I` "
-      f"prompts (same sampling budget); SFT-then-GRPO first runs {fest_math.get_config('sft_then_grpo').expert_sft.steps}"
-      f" SFT steps x {config.expert_sft.batch_size} on the shots. betas {config.fest.beta1}/{config.fest.beta2}/"
-      f"{config.fest.beta3}, c = {config.fest.c}, {config.rl.num_iterations} updates per batch, AdamW "
-      f"{config.rl.learning_rate}, dr_grpo advantages, clip 0.2/0.28, no KL.",
-      "",
-      f"Scores: Avg@{k} / Pass@{k} at temperature {config.eval.temperature} on {config.eval.num_examples} hard "
-      f"test problems and {config.eval.num_shifted} shifted (6-7 step) problems; 'hard all-wrong' = share of hard "
-      f"test problems with no correct sample; 'complete' = share of samples that write as many lines as the "
-      f"chain has steps (the procedure); 'line acc' = share of written lines that are true arithmetic; greedy "
-      f"hard = greedy accuracy at the end of RL. Mean ± 95% CI (Student t) over the seeds listed.",
-      "",
-      *rows,
-      "",
-      f"Paired differences in hard Avg@{k} (same seed, same start), {main} shots:",
-      f"- FEST-GRPO - pure GRPO: {_verdict(_paired(results, ('fest_grpo', main), ('grpo', None), a))}",
-      f"- FEST-DPO - pure GRPO: {_verdict(_paired(results, ('fest_dpo', main), ('grpo', None), a))}",
-      f"- SFT-then-GRPO - pure GRPO: {_verdict(_paired(results, ('sft_then_grpo', main), ('grpo', None), a))}",
-      f"- FEST-GRPO - SFT-then-GRPO: "
-      f"{_verdict(_paired(results, ('fest_grpo', main), ('sft_then_grpo', main), a))}",
-      f"Paired differences in hard Pass@{k}, {main} shots:",
-  ]
-  p = f"hard/pass@{k}"
-  for m in ("fest_grpo", "fest_dpo", "sft_then_grpo"):
-    lines.append(f"- {LABELS[m]} - {LABELS['grpo']}: {_verdict(_paired(results, (m, main), ('grpo', None), p))}")
-  for metric, name in ((a, f"Avg@{k}"), (p, f"Pass@{k}")):
-    lines.append(f"At lr {LOW_LR:g} for every method (paired differences in hard {name}, {main} shots):")
-    for m in ("fest_grpo_low_lr", "fest_dpo_low_lr", "sft_then_grpo_low_lr"):
-      lines.append(f"- {LABELS[m]} - {LABELS['grpo_low_lr']}: "
-                   f"{_verdict(_paired(results, (m, main), ('grpo_low_lr', None), metric))}")
-  lines.append(f"Shot-count points (hard Avg@{k} / Pass@{k} per method and shots: see the table):")
-  for shots in sorted({r["shots"] for r in results if r["shots"] and r["shots"] != main}):
-    lines.append(f"- {shots} shots, FEST-GRPO - FEST-DPO: "
-                 f"{_verdict(_paired(results, ('fest_grpo', shots), ('fest_dpo', shots), a))}")
-  for shots in sorted({r["shots"] for r in results if r["method"] == "sft_then_grpo"}):
-    after = [r["after_expert_sft_greedy_hard"] for r in results if r["method"] == "sft_then_grpo"
-             and r["shots"] == shots and r["after_expert_sft_greedy_hard"] is not None]
-    if after:
-      lines.append(f"- {shots} shots: greedy hard accuracy right after the SFT on the shots (before GRPO) "
-                   f"{format_mean_ci(after)} ({len(after)} runs)")
-  diag = {}
-  for r in results:
-    d = fest_diagnostics(run_dir(FLAGS.workdir, r["method"], r["seed"], r["shots"]))
-    if d is not None:
-      diag.setdefault((r["method"], r["shots"]), []).append(d)
-  if diag:
-    lines += ["", "FEST step diagnostics (mean over seeds of the first -> last 5 RL steps): decaying weight "
-              "`w` (pre-update policy), share of all-wrong groups in `D_E` / `D_I`, reward in `D_E` / `D_I`:"]
-    for (m, n), ds in sorted(diag.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-      f = lambda key: (f"{np.mean([d[key + '/first'] for d in ds]):.3g} -> "
-                       f"{np.mean([d[key + '/last'] for d in ds]):.3g}")
-      lines.append(f"- {LABELS[m]} @{n} ({len(ds)} runs): w {f('fest/decaying_weight/mean')}; all-wrong "
-                   f"{f('fest/frac_all_wrong_groups_expert')} / {f('fest/frac_all_wrong_groups_rl')}; reward "
-                   f"{f('fest/reward_expert_stream')} / {f('fest/reward_rl_stream')}")
-  if skipped:
-    lines += ["", "Not run (wall-time budget): " + ", ".join(skipped) + "."]
-  lines += ["", "Curves (greedy hard-test accuracy over RL steps, per run): `experiments/results/fest/curves.png`, "
-            "raw numbers in `experiments/results/fest/results.json`."]
-  _plot(results, os.path.join(FLAGS.results_dir, "curves.png"))
-  body = "\n".join(lines)
+    json.dump(saved, f, indent=1)
+  report.plot(saved, os.path.join(FLAGS.results_dir, "curves.png"))
   if FLAGS.write_results:
-    write_section("FEST", body)
-  return body
-
-
-def _plot(results, path):
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  shots = sorted({r["shots"] for r in results if r["shots"]})
-  if not shots:
-    return
-  fig, axes = plt.subplots(1, len(shots), figsize=(5 * len(shots), 3.6), squeeze=False)
-  colors = {"grpo": "k", "sft_then_grpo": "tab:orange", "fest_dpo": "tab:blue", "fest_grpo": "tab:green"}
-  for ax, n in zip(axes[0], shots):
-    for r in results:
-      if r["method"] == "start" or (r["shots"] not in (None, n)) or not r["curve"]:
-        continue
-      steps, acc = zip(*r["curve"])
-      label = LABELS[r["method"]] if r["seed"] == min(x["seed"] for x in results if _key(x) == _key(r)) else None
-      low = r["method"].endswith("_low_lr")
-      ax.plot(steps, acc, color=colors[r["method"].removesuffix("_low_lr")], linestyle="--" if low else "-",
-              alpha=0.7, label=label)
-    ax.set_title(f"{n} shots (GRPO: no shots)")
-    ax.set_xlabel("RL step")
-    ax.set_ylabel("greedy hard-test accuracy")
-    ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+    results_md.main([])
+  return saved
 
 
 def main(argv):
@@ -297,8 +168,8 @@ def main(argv):
   if FLAGS.report_only:
     with open(os.path.join(FLAGS.results_dir, "results.json")) as f:
       saved = json.load(f)
-    print(write_outputs(saved["results"], saved["skipped"], saved["command"], config,
-                        saved.get("elapsed_s", 0.0), done=saved.get("done", False)))
+    report.plot(saved, os.path.join(FLAGS.results_dir, "curves.png"))
+    print(report.render(saved))
     return
   t0 = time.time()
   plan = [(m, s, main_shots) for s in seeds for m in ("start", *METHODS)]
@@ -325,8 +196,8 @@ def main(argv):
     durations.setdefault(name, []).append(result["process_s"])
     results.append(result)
     print(json.dumps(result["final"]), flush=True)
-    write_outputs(results, skipped, command, config, time.time() - t0, done=False)
-  print(write_outputs(results, skipped, command, config, time.time() - t0, done=True))
+    save(results, skipped, command, config, time.time() - t0, done=False)
+  print(report.render(save(results, skipped, command, config, time.time() - t0, done=True)))
 
 
 if __name__ == "__main__":

@@ -1,74 +1,111 @@
-r"""The default experiment over several seeds: held-out accuracy after SFT vs after GRPO.
+r"""The default experiment over seeds: GRPO against its SFT start and against FLOP-matched more SFT.
 
-    python -m experiments.reproduce_grpo_arithmetic --workdir=runs/grpo_arithmetic_seeds [--seeds=0,1,2]
+    python -m experiments.reproduce_grpo_arithmetic --workdir=runs/grpo_arithmetic --seeds=0,1,2,3,4
 
-Each seed runs ``configs/grpo_arithmetic.py`` (the README's main job) in ``<workdir>/seed_<s>`` (resumable),
-then the table goes into the "GRPO arithmetic" section of ``experiments/RESULTS.md``.
+Per seed: ``configs/grpo_arithmetic.py:<variant>`` (the README's main job) runs in ``<workdir>/seed_<s>/grpo``;
+its SFT checkpoint is copied to ``<workdir>/seed_<s>/sft_control``, where the ``<variant>_sft_control`` config
+continues it with FLOP-matched SFT instead of GRPO. Runs resume; a finished one is only re-read. The results
+go to ``experiments/results/grpo_arithmetic/results.json`` (committed), the plot next to it, and
+``experiments/RESULTS.md`` is regenerated (:mod:`experiments.results_md`, section
+:mod:`experiments.reports.grpo_arithmetic`).
 """
 
 import json
 import os
+import platform
+import resource
+import shlex
+import shutil
+import sys
 import time
 
 from absl import app
 from absl import flags
 
 from configs import grpo_arithmetic
-from experiments.results_md import write_section
-from lemon_rl.eval.stats import format_mean_ci, mean_ci
+from experiments import results_md
+from experiments.reports import grpo_arithmetic as report
+from lemon_rl.models import flops
 from lemon_rl.training import experiment
+from lemon_rl.training.metrics import read_records
 
 flags.DEFINE_string("workdir", None, "Root directory; one sub-directory per seed.")
-flags.DEFINE_string("seeds", "0,1,2", "Comma-separated seeds.")
-flags.DEFINE_string("variant", "cpu", "Config variant.")
-flags.DEFINE_bool("write_results", True, "Write the section of experiments/RESULTS.md.")
+flags.DEFINE_string("seeds", "0,1,2,3,4", "Comma-separated seeds.")
+flags.DEFINE_string("variant", "cpu", "Config variant of the GRPO arm (the control is <variant>_sft_control).")
+flags.DEFINE_string("results_file", report.RESULTS_FILE, "Where the results JSON goes (relative to the repo).")
+flags.DEFINE_float("family_alpha", 0.05, "Familywise error rate of the claimed directions (Holm).")
 flags.mark_flag_as_required("workdir")
 FLAGS = flags.FLAGS
+
+
+def cpu_model() -> str:
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or "unknown CPU"
+
+
+def run_arm(config, workdir: str) -> dict:
+  """Runs (or resumes) one arm in this process; the wall and CPU seconds it took."""
+  usage0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.time()
+  summary = experiment.run(config, workdir)
+  usage1 = resource.getrusage(resource.RUSAGE_SELF)
+  return {"summary": summary, "wall_s": time.time() - t0, "user_s": usage1.ru_utime - usage0.ru_utime,
+          "system_s": usage1.ru_stime - usage0.ru_stime}
+
+
+def arm_record(workdir: str, phases, timing: dict) -> dict:
+  """Final and intermediate held-out evaluations of a finished arm, and its RL reward per step."""
+  records = read_records(os.path.join(workdir, "metrics.jsonl"))
+  evals = [{"phase": r["phase"].removeprefix("eval_"), "step": r["step"], "accuracy": r["accuracy"],
+            "carryless": r.get("carryless")} for r in records if r["phase"].startswith("eval_")]
+  final = {}
+  for phase in phases:
+    mine = [e for e in evals if e["phase"] == phase]
+    if mine:
+      final[phase] = {"accuracy": mine[-1]["accuracy"], "carryless": mine[-1]["carryless"]}
+  reward = [[r["step"], r["reward/total/mean"]] for r in records if r["phase"] == "rl" and "reward/total/mean" in r]
+  return {"final": final, "evals": evals, "rl_reward": reward, **{k: v for k, v in timing.items() if k != "summary"}}
 
 
 def main(argv):
   del argv
   seeds = [int(s) for s in FLAGS.seeds.split(",")]
-  summaries = []
-  for seed in seeds:
-    config = grpo_arithmetic.get_config(FLAGS.variant)
-    config.seed = seed
-    workdir = os.path.join(FLAGS.workdir, f"seed_{seed}")
-    start = time.time()
-    summary = experiment.run(config, workdir)
-    summary["process_wall_s"] = time.time() - start
-    summaries.append(summary)
-  sft = [s["sft_final_accuracy"] for s in summaries]
-  rl = [s["rl_final_accuracy"] for s in summaries]
-  gain = [b - a for a, b in zip(sft, rl)]
-  rows = ["| seed | SFT accuracy | GRPO accuracy | gain | SFT wall s | GRPO wall s |", "|---|---|---|---|---|---|"]
-  for s, summary in zip(seeds, summaries):
-    t = summary["wall_time_s"]
-    rows.append(f"| {s} | {summary['sft_final_accuracy']:.3f} | {summary['rl_final_accuracy']:.3f} | "
-                f"{summary['rl_final_accuracy'] - summary['sft_final_accuracy']:+.3f} | {t.get('sft', 0):.0f} | "
-                f"{t.get('rl', 0):.0f} |")
-  rows.append(f"| mean ± 95% CI | {format_mean_ci(sft)} | {format_mean_ci(rl)} | {format_mean_ci(gain)} | | |")
-  spread = max(sft) - min(sft)
   config = grpo_arithmetic.get_config(FLAGS.variant)
-  body = "\n".join([
-      f"Command: `python -m experiments.reproduce_grpo_arithmetic --workdir={FLAGS.workdir} "
-      f"--seeds={FLAGS.seeds} --variant={FLAGS.variant}` (2-core CPU).",
-      "",
-      f"Held-out exact accuracy on {config.eval.num_examples} test problems (greedy), after "
-      f"{config.sft.steps} SFT steps x {config.sft.batch_size} on the sloppy teacher, then after "
-      f"{config.rl.steps} GRPO steps x {config.rl.prompts_per_step} prompts x {config.rl.num_generations} "
-      "completions.",
-      "",
-      *rows,
-      "",
-      f"GRPO gain {mean_ci(gain)[0]:+.3f} vs seed-to-seed spread of the SFT accuracy {spread:.3f} "
-      f"(max - min over seeds): {'larger' if min(gain) > spread else 'NOT larger'} for every seed.",
-  ])
-  print(body)
-  with open(os.path.join(FLAGS.workdir, "summaries.json"), "w") as f:
-    json.dump(summaries, f, indent=2)
-  if FLAGS.write_results:
-    write_section("GRPO arithmetic (default experiment)", body)
+  control = grpo_arithmetic.get_config(f"{FLAGS.variant}_sft_control")
+  per_step = grpo_arithmetic.step_flops(config)
+  saved = {
+      "command": "python -m experiments.reproduce_grpo_arithmetic " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+      "machine": f"{cpu_model()}, {os.cpu_count()} CPUs",
+      "family_alpha": FLAGS.family_alpha,
+      "setup": {"sft_steps": config.sft.steps, "sft_batch": config.sft.batch_size, "rl_steps": config.rl.steps,
+                "rl_rows": config.rl.prompts_per_step * config.rl.num_generations,
+                "continued_sft_steps": control.continued_sft.steps, "eval_examples": config.eval.num_examples,
+                "flops_per_step": {"sft": per_step["sft"], "rl": per_step["rl"], "continued_sft": per_step["sft"]}},
+      "seeds": [],
+  }
+  for seed in seeds:
+    root = os.path.join(FLAGS.workdir, f"seed_{seed}")
+    config.seed = control.seed = seed
+    grpo = run_arm(config, os.path.join(root, "grpo"))
+    sft_checkpoint = os.path.join(root, "sft_control", "checkpoints", "sft")
+    if not os.path.exists(sft_checkpoint):
+      shutil.copytree(os.path.join(root, "grpo", "checkpoints", "sft"), sft_checkpoint)
+    more_sft = run_arm(control, os.path.join(root, "sft_control"))
+    saved["seeds"].append({"seed": seed, "grpo": arm_record(os.path.join(root, "grpo"), config.phases, grpo),
+                           "sft_control": arm_record(os.path.join(root, "sft_control"), control.phases, more_sft)})
+    path = os.path.join(results_md.ROOT, FLAGS.results_file)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+      json.dump(saved, f, indent=1)
+  if FLAGS.results_file == report.RESULTS_FILE:
+    report.plot(saved, os.path.join(results_md.ROOT, report.PLOT_FILE))
+    results_md.main([])
+  print(report.render(saved))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from experiments import reproduce_cast
+from experiments.reports import cast as cast_report
 
 FIELDS = ("accuracy", "think_len", "think_len_easy", "think_len_hard")
 
@@ -40,17 +41,17 @@ PREFIXES = ("- CAST accuracy >= GRPO", "- shorter thinking on easy", "- the budg
 
 @pytest.mark.parametrize("prefix", PREFIXES)
 def test_each_direction_holds_in_the_papers_world_and_fails_reversed(prefix):
-  holds = _line(reproduce_cast.findings(_results(PAPER)), prefix)
-  fails = _line(reproduce_cast.findings(_results(REVERSED)), prefix)
-  assert "holds (significant)" in holds, holds
-  assert "holds" not in fails and ("does NOT hold" in fails or "CAST < GRPO" in fails), fails
+  holds = _line(cast_report.findings(_results(PAPER)), prefix)
+  fails = _line(cast_report.findings(_results(REVERSED)), prefix)
+  assert holds.endswith(": reproduced"), holds
+  assert fails.endswith(": opposite"), fails
 
 
 def test_a_difference_inside_its_interval_is_not_significant():
   results = _results(PAPER)
   results["grpo"]["final"] = [{**f, "accuracy": a} for f, a in zip(results["grpo"]["final"], (0.2, 0.9, 0.6))]
-  line = _line(reproduce_cast.findings(results), "- CAST accuracy >= GRPO")
-  assert "(not significant)" in line, line
+  line = _line(cast_report.findings(results), "- CAST accuracy >= GRPO")
+  assert line.endswith(": not distinguishable"), line
 
 
 def _write_run(workdir, records):
@@ -77,5 +78,5 @@ def test_sft_row_is_the_rl_runs_step0_evaluation_once_per_sft_run(tmp_path):
 def test_equal_means_are_no_difference_in_either_direction():
   results = _results(PAPER)
   results["grpo"]["final"] = [dict(f) for f in results["cast"]["final"]]
-  line = _line(reproduce_cast.findings(results), "- CAST accuracy >= GRPO")
-  assert line.endswith("no difference"), line
+  line = _line(cast_report.findings(results), "- CAST accuracy >= GRPO")
+  assert line.endswith(": not distinguishable"), line

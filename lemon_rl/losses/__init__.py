@@ -8,6 +8,9 @@ Registries (config validation reads their ``names()``):
 - :data:`POLICY_LOSSES`: ``ppo_clip``, ``gspo`` (each with its own defaults in :data:`POLICY_LOSS_DEFAULTS`);
 - :data:`ADVANTAGE_ESTIMATORS`: ``grpo``, ``dr_grpo``, ``rloo``, ``reinforce_pp_baseline``, ``gigpo``.
 
+:mod:`lemon_rl.losses.value` holds PPO's critic pieces: :func:`gae`, :func:`clipped_value_loss`,
+:func:`explained_variance`, :func:`whiten_advantages` and the token/turn mapping of multi-turn batches.
+
 :class:`SurrogateSettings` (``lemon_rl.losses.surrogate``) holds the clipped-surrogate fields of the trainers'
 losses. The registry class itself lives in :mod:`lemon_rl.utils.registry`.
 """
@@ -51,3 +54,12 @@ from lemon_rl.losses.policy_gradient import seq_mean_token_sum_norm
 from lemon_rl.losses.policy_gradient import token_mean
 from lemon_rl.losses.surrogate import SurrogateSettings
 from lemon_rl.losses.surrogate import surrogate_fields_from_config
+from lemon_rl.losses.value import clipped_value_loss
+from lemon_rl.losses.value import explained_variance
+from lemon_rl.losses.value import explained_variance_from_metrics
+from lemon_rl.losses.value import gae
+from lemon_rl.losses.value import GAEAdvantages
+from lemon_rl.losses.value import StepValues
+from lemon_rl.losses.value import steps_to_tokens
+from lemon_rl.losses.value import token_values_to_steps
+from lemon_rl.losses.value import whiten_advantages

@@ -1,0 +1,270 @@
+"""The CAST section: every RL variant from one SFT policy per seed (METHODS.md section 1).
+
+``saved`` (written by :mod:`experiments.reproduce_cast`): ``results`` (``{variant: {"final", "seeds",
+"summary", "eval_curves", "train_curves", "profile"}}``, see ``reproduce_cast.collect``), ``seeds``,
+``command``, ``overrides``, ``total_s``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+TITLE = "CAST"
+RESULTS_FILE = "experiments/results/cast/results.json"
+PLOT_DIR = "experiments/results/cast"
+COMMAND = "python -m experiments.reproduce_cast --seeds=0,1,2,3,4"
+MISSING = ("Withdrawn: the previous run's tool-use splits differed only by generator seed (114 of its 300 "
+           "held-out prompts were SFT demonstrations), so its numbers are not evidence. Splits are now disjoint "
+           "by content (`lemon_rl.envs.tool_use_task`); the rerun with the headroom design of issue 10 is pending.")
+CATEGORIES = ("simple", "multiple", "parallel", "parallel_multiple", "irrelevance")
+SCORES = ("name", "key", "type", "constraint", "value", "exact")
+
+
+def mean_ci(values: Sequence[float]) -> tuple[float, float]:
+  """Mean and the half-width of the two-sided 95% Student-t interval (NaN half-width for one value)."""
+  from scipy import stats  # pylint: disable=g-import-not-at-top
+  x = np.asarray([v for v in values if v is not None], np.float64)
+  if x.size == 0:
+    return float("nan"), float("nan")
+  if x.size == 1:
+    return float(x[0]), float("nan")
+  return float(x.mean()), float(stats.t.ppf(0.975, x.size - 1) * x.std(ddof=1) / np.sqrt(x.size))
+
+
+def fmt(values: Sequence[float], scale: float = 1.0, digits: int = 1) -> str:
+  m, h = mean_ci([None if v is None else v * scale for v in values])
+  if np.isnan(m):
+    return "n/a"
+  return f"{m:.{digits}f}" if np.isnan(h) else f"{m:.{digits}f} ± {h:.{digits}f}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Plots and the report.
+
+
+PLOTS = ("accuracy.png", "think_length.png", "training.png")
+
+
+def plot(results: dict[str, Any], path_dir: str) -> list[str]:
+  """Held-out accuracy and think length (all / easy / hard) against RL step, mean over seeds."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  os.makedirs(path_dir, exist_ok=True)
+  paths = []
+  panels = {"accuracy.png": [("accuracy", "held-out exact accuracy")],
+            "think_length.png": [("think_len", "think length (all)"), ("think_len_easy", "think length (easy)"),
+                                 ("think_len_hard", "think length (hard)")]}
+  for name, keys in panels.items():
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.6), squeeze=False)
+    for ax, (key, title) in zip(axes[0], keys):
+      for variant, rows in results.items():
+        curves = rows["eval_curves"]
+        if variant == "sft_only" or not curves:
+          continue
+        steps = sorted({r["step"] for c in curves for r in c})
+        ys = []
+        for s in steps:
+          vals = [next((r.get(key) for r in c if r["step"] == s), None) for c in curves]
+          ys.append(np.mean([v for v in vals if v is not None]) if any(v is not None for v in vals) else np.nan)
+        ax.plot(steps, ys, marker="o", label=variant)
+      ax.set_title(title)
+      ax.set_xlabel("RL step")
+      ax.grid(alpha=0.3)
+      ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(path_dir, name)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    paths.append(path)
+  # Training-time think length and normalised advantage variance per RL step.
+  fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), squeeze=False)
+  for variant, rows in results.items():
+    curves = rows["train_curves"]
+    if variant == "sft_only" or not curves:
+      continue
+    n = min(len(c) for c in curves)
+    steps = [curves[0][i]["step"] for i in range(n)]
+    for ax, key in zip(axes[0], ("think_len", "advantage/normalized_variance")):
+      ys = []
+      for i in range(n):
+        vals = []
+        for c in curves:
+          v = c[i].get(key)
+          if v is None:  # The reward's own think-length metric.
+            v = next((c[i][k] for k in c[i] if k.startswith("reward/") and k.endswith(f"/{key}")
+                      and c[i][k] is not None), None)
+          vals.append(np.nan if v is None else v)
+        ys.append(np.nanmean(vals))
+      ax.plot(steps, ys, label=variant)
+      ax.set_title(f"train: {key}")
+      ax.set_xlabel("RL step")
+      ax.grid(alpha=0.3)
+      ax.legend(fontsize=7)
+  fig.tight_layout()
+  path = os.path.join(path_dir, "training.png")
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  paths.append(path)
+  return paths
+
+
+def _mean(results: dict[str, Any], variant: str, key: str) -> float:
+  vals = [f.get(key) for f in results.get(variant, {}).get("final", [])]
+  vals = [v for v in vals if v is not None]
+  return float(np.mean(vals)) if vals else float("nan")
+
+
+def _by_seed(results: dict[str, Any], variant: str, key: str) -> dict[Any, float]:
+  """``{seed: final[key]}`` of ``variant`` (positions stand in for seeds when ``collect`` gave none)."""
+  rows = results.get(variant, {})
+  finals = rows.get("final", [])
+  seeds = rows.get("seeds", range(len(finals)))
+  return {s: f[key] for s, f in zip(seeds, finals) if f.get(key) is not None}
+
+
+def _paired_seeds(results: dict[str, Any], a: str, b: str, key: str) -> dict[Any, float]:
+  """``{seed: a - b}`` of ``key`` on every seed both variants finished (paired by seed, not by position)."""
+  xa, xb = _by_seed(results, a, key), _by_seed(results, b, key)
+  return {s: xa[s] - xb[s] for s in xa if s in xb}
+
+
+def _per_seed_diff(results: dict[str, Any], a: str, b: str, key: str, scale: float = 1.0) -> list[float]:
+  return [scale * d for d in _paired_seeds(results, a, b, key).values()]
+
+
+def _budget_easy_minus_hard(results: dict[str, Any]) -> list[float]:
+  """Per seed: ``(cast_no_budget - cast)`` think length on easy queries minus the same on hard ones."""
+  easy, hard = (_paired_seeds(results, "cast_no_budget", "cast", k) for k in ("think_len_easy", "think_len_hard"))
+  return [easy[s] - hard[s] for s in easy if s in hard]
+
+
+def _hard_minus_easy(results: dict[str, Any], variant: str) -> list[float]:
+  hard, easy = _by_seed(results, variant, "think_len_hard"), _by_seed(results, variant, "think_len_easy")
+  return [hard[s] - easy[s] for s in hard if s in easy]
+
+
+# The paper's directions: (line prefix, comparison, variants it needs, paper's sign of the difference,
+# per-seed differences). Accuracy differences in percentage points, think lengths in tokens.
+DIRECTIONS = (
+    ("- CAST accuracy >= GRPO", "cast - grpo, accuracy (pp)", ("cast", "grpo"), +1,
+     lambda r: _per_seed_diff(r, "cast", "grpo", "accuracy", 100)),
+    ("- shorter thinking on easy queries (cast < cast_no_budget)", "cast - cast_no_budget, easy think len",
+     ("cast", "cast_no_budget"), -1, lambda r: _per_seed_diff(r, "cast", "cast_no_budget", "think_len_easy")),
+    ("- the budget cuts easy thinking more than hard thinking ((cast_no_budget - cast) on easy minus the same "
+     "on hard > 0)", "(cast_no_budget - cast) think len, easy - hard", ("cast", "cast_no_budget"), +1,
+     _budget_easy_minus_hard),
+    ("- CAST thinks less than GRPO (all queries)", "cast - grpo, think len", ("cast", "grpo"), -1,
+     lambda r: _per_seed_diff(r, "cast", "grpo", "think_len")),
+    ("- longer thinking kept on hard queries (cast hard - cast easy > 0)", "cast, hard - easy think len",
+     ("cast",), +1, lambda r: _hard_minus_easy(r, "cast")),
+    ("- hard-to-easy curriculum hurts accuracy (cast_hard_to_easy < cast)",
+     "cast_hard_to_easy - cast, accuracy (pp)", ("cast", "cast_hard_to_easy"), -1,
+     lambda r: _per_seed_diff(r, "cast_hard_to_easy", "cast", "accuracy", 100)),
+    ("- hard-to-easy lengthens thinking (cast_hard_to_easy > cast)", "cast_hard_to_easy - cast, think len",
+     ("cast", "cast_hard_to_easy"), +1, lambda r: _per_seed_diff(r, "cast_hard_to_easy", "cast", "think_len")),
+    ("- schema reward helps (cast > cast_no_schema, accuracy)", "cast - cast_no_schema, accuracy (pp)",
+     ("cast", "cast_no_schema"), +1, lambda r: _per_seed_diff(r, "cast", "cast_no_schema", "accuracy", 100)),
+)
+
+
+def findings(results: dict[str, Any], family_alpha: float = 0.05) -> list[str]:
+  """One line per direction the paper reports, with its verdict, then the Holm table of the family.
+
+  The family is every direction whose variants were part of the run and have at least one paired seed
+  (fixed by the design and by which runs finished, not by the outcomes; the others read "not run"); per-seed
+  paired differences, Holm-corrected t-intervals and the verdict words "reproduced" / "opposite" / "not
+  distinguishable" come from :func:`lemon_rl.eval.stats.holm_paired_intervals`.
+  """
+  from lemon_rl.eval import stats  # pylint: disable=g-import-not-at-top
+  family, line = [], {}
+  for prefix, name, needs, sign, diffs in DIRECTIONS:
+    if all(v in results for v in needs):
+      d = diffs(results)
+      if d:
+        family.append((prefix, stats.PairedComparison(name, sign, d)))
+      else:
+        line[prefix] = f"{prefix}: not run"
+  verdicts = stats.holm_paired_intervals([c for _, c in family], family_alpha)
+  line.update({prefix: f"{prefix}: paired diff {stats.format_paired(r, digits=2)}"
+               for (prefix, _), r in zip(family, verdicts)})
+  out = []
+  acc = {v: 100 * _mean(results, v, "accuracy") for v in results}
+  first = DIRECTIONS[0][0]
+  if first in line:  # With the accuracies themselves (a "not run" line is left as it is).
+    out.append(line.pop(first).replace(": paired diff", f": cast {acc['cast']:.1f}% vs grpo {acc['grpo']:.1f}% "
+                                       f"(SFT {acc.get('sft_only', float('nan')):.1f}%); paired diff", 1))
+  for key, label in (("think_len_easy", "easy"), ("think_len_hard", "hard")):
+    vals = {v: _mean(results, v, key) for v in results}
+    out.append(f"- think length on {label} queries: " + ", ".join(f"{v} {x:.1f}" for v, x in vals.items()))
+  out += [line[prefix] for prefix, *_ in DIRECTIONS if prefix in line]
+  nav = {v: np.mean([np.mean([r["advantage/normalized_variance"] for r in c]) for c in rows["train_curves"] if c])
+         for v, rows in results.items() if v != "sft_only" and any(rows["train_curves"])}
+  out.append("- normalised advantage variance (paper: GRPO 0.48 -> CAST 0.10): "
+             + ", ".join(f"{v} {x:.3f}" for v, x in nav.items()))
+  if verdicts:
+    out += ["", *stats.format_paired_table(verdicts, digits=2)]
+  return out
+
+
+def render(saved: Mapping[str, Any]) -> str:
+  results, seeds, command = saved["results"], saved["seeds"], saved["command"]
+  overrides, total_s = saved["overrides"], saved["total_s"]
+  plots = [os.path.join(PLOT_DIR, name) for name in PLOTS]
+  lines = [f"Command (from the repository root): `{command}`", "",
+           f"Seeds {', '.join(map(str, seeds))}; every cell is the mean ± 95% t-interval over the seeds that "
+           "finished (n shown); held-out set: the `tool_use` test split scored greedily (BFCL exact match). "
+           f"Config: `configs/cast_tool_use.py`{' with ' + ' '.join(overrides) if overrides else ''}. "
+           f"Total wall time of the script: {total_s / 60:.1f} min on this machine (2-core CPU).", ""]
+  variants = list(results)
+  header = "| variant | n | " + " | ".join(CATEGORIES) + " | overall |"
+  lines += ["### Exact accuracy (%) per category", "", header, "|" + "---|" * (header.count("|") - 1)]
+  for v in variants:
+    final = results[v]["final"]
+    cells = [fmt([f.get(f"acc_{c}") for f in final], 100) for c in CATEGORIES]
+    lines.append(f"| {v} | {len(final)} | " + " | ".join(cells) + f" | {fmt([f.get('accuracy') for f in final], 100)} |")
+  header = "| variant | " + " | ".join(SCORES) + " | format |"
+  lines += ["", "### The six scores (%, response level, mean over held-out queries)", "", header,
+            "|" + "---|" * (header.count("|") - 1)]
+  for v in variants:
+    final = results[v]["final"]
+    cells = [fmt([f.get(s) for f in final], 100) for s in (*SCORES, "format")]
+    lines.append(f"| {v} | " + " | ".join(cells) + " |")
+  header = ("| variant | think len (all) | easy | hard | completion len | norm. adv. variance | "
+            "within-group share | steps | process wall s |")
+  lines += ["", "### Think length (tokens), stability, cost", "",
+            "Easy = at most one call and no conversion note; hard = several calls or a conversion (static tag "
+            "of the held-out query). Normalised advantage variance = batch variance of the advantages the loss "
+            "used, mean over RL steps (decision, see `lemon_rl.training.rollout.advantage_variance`). "
+            "Process wall s: the whole run of the variant (restore, case library, RL, evaluations).", "",
+            header, "|" + "---|" * (header.count("|") - 1)]
+  for v in variants:
+    rows = results[v]
+    final = rows["final"]
+    nav = [np.mean([r["advantage/normalized_variance"] for r in c]) if c else None for c in rows["train_curves"]]
+    share = [np.mean([r["advantage/within_group_share"] for r in c]) if c else None for c in rows["train_curves"]]
+    steps = [f"{s.get('rl_steps')} RL" if v != "sft_only" else f"{s.get('sft_steps')} SFT" for s in rows["summary"]]
+    wall = [s.get("process_wall_s") for s in rows["summary"]]
+    lines.append(f"| {v} | {fmt([f.get('think_len') for f in final])} | "
+                 f"{fmt([f.get('think_len_easy') for f in final])} | {fmt([f.get('think_len_hard') for f in final])} | "
+                 f"{fmt([f.get('completion_length') for f in final])} | "
+                 f"{fmt(nav if v != 'sft_only' else [], digits=3)} | {fmt(share if v != 'sft_only' else [], digits=3)} | "
+                 f"{'/'.join(sorted(set(steps)))} | {fmt(wall, digits=0)} |")
+  lines += ["", "### The paper's directions on this run", ""] + findings(results) + [""]
+  profiles = results.get("cast", {}).get("profile", [])
+  if profiles:
+    lines += ["", "### Case libraries (SFT policy, per seed)", ""]
+    for seed, p in zip(seeds, profiles):
+      lines.append(f"- seed {seed}: {p['num_cases']} cases over {p['num_queries']} training queries, base "
+                   f"accuracy {100 * p['base_accuracy']:.1f}%, H bin edges {[round(e, 2) for e in p['bin_edges']]}, "
+                   f"baselines L_emp {p['baselines']} tokens, failure rates "
+                   f"{ {k: round(x, 2) for k, x in p['failure_rates'].items()} }, {p.get('frac_hardest', float('nan')):.0%} "
+                   f"of the queries at H = 1, sampled in {p['sample_s']} s")
+  lines += ["", "Plots: " + ", ".join(f"`{p}`" for p in plots), ""]
+  return "\n".join(lines)
+
+

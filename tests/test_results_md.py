@@ -1,0 +1,48 @@
+"""experiments/RESULTS.md is exactly what the committed result files give, and readings add no numbers."""
+
+import os
+import re
+
+import pytest
+
+from experiments import results_md
+from experiments.reports import grpo_arithmetic
+
+
+def test_results_md_is_regenerated_from_committed_result_files():
+  with open(results_md.RESULTS) as f:
+    assert f.read() == results_md.render_all(), "run: python -m experiments.results_md"
+
+
+@pytest.mark.parametrize("module", results_md.REPORTS)
+def test_hand_written_readings_add_no_numbers(module):
+  report = __import__(module, fromlist=["RESULTS_FILE"])
+  path = os.path.join(results_md.ROOT, results_md.reading_path(report.RESULTS_FILE))
+  if not os.path.exists(path):
+    pytest.skip("no reading")
+  text = open(path).read()
+  assert not re.findall(r"\d+\.\d+|\d+\s*%", text), "a reading cites the tables; it adds no decimals or percentages"
+
+
+def _arm(final, evals=()):
+  return {"final": final, "evals": list(evals), "rl_reward": [], "wall_s": 10.0, "user_s": 9.0, "system_s": 1.0}
+
+
+def test_default_experiment_section_reads_the_verdict_from_the_interval():
+  seeds = []
+  for seed, (sft, rl, more) in enumerate([(0.2, 0.4, 0.25), (0.25, 0.45, 0.3), (0.22, 0.41, 0.27)]):
+    seeds.append({"seed": seed,
+                  "grpo": _arm({"sft": {"accuracy": sft, "carryless": 0.3}, "rl": {"accuracy": rl, "carryless": 0.05}}),
+                  "sft_control": _arm({"continued_sft": {"accuracy": more, "carryless": 0.3 + 0.01 * seed}})})
+  saved = {"command": "cmd", "machine": "cpu", "family_alpha": 0.05, "seeds": seeds,
+           "setup": {"sft_steps": 10, "sft_batch": 4, "rl_steps": 2, "rl_rows": 8, "continued_sft_steps": 11,
+                     "eval_examples": 5, "flops_per_step": {"sft": 1e9, "rl": 5e9, "continued_sft": 1e9}}}
+  text = grpo_arithmetic.render(saved)
+  rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| GRPO - ")}
+  assert rows["GRPO - its SFT start, accuracy"].endswith("| reproduced |")
+  assert rows["GRPO - FLOP-matched more SFT, accuracy"].endswith("| reproduced |")
+  assert rows["GRPO - FLOP-matched more SFT, carry-less share"].endswith("| reproduced |")
+  seeds[1]["sft_control"]["final"]["continued_sft"]["accuracy"] = 0.9  # One seed where more SFT wins big.
+  rows = {line.split("|")[1].strip(): line for line in grpo_arithmetic.render(saved).splitlines()
+          if line.startswith("| GRPO - ")}
+  assert rows["GRPO - FLOP-matched more SFT, accuracy"].endswith("| not distinguishable |")
