@@ -41,7 +41,10 @@ def get_config(variant: str = "cast") -> config_dict.ConfigDict:
   c.task.data_seed = 0  # Seed of the generated requests (fixed across experiment seeds).
   c.task.num_sft = 112_000  # Demonstrations (>= sft.steps * sft.batch_size: one pass, no repeats).
   c.task.num_train = 640  # RL prompts, one pass (rl.steps * rl.prompts_per_step); num_samples cases each.
+  c.task.num_validation = 300  # Requests for tuning (Task.validation_examples); never the test set.
   c.task.num_test = 300  # Held-out requests, scored greedily (binomial s.e. <= 2.9 points).
+  # The four splits are disjoint by request (tool_use_task.canonical_key: the calls asked for, normalised),
+  # from content buckets of 70% (SFT) / 10% (RL) / 10% (validation) / 10% (test) of the key space.
   c.task.category_weights = config_dict.ConfigDict({  # Mix of all splits (BFCL-like, lemon_rl.envs.tool_use).
       "simple": 0.3, "multiple": 0.2, "parallel": 0.15, "parallel_multiple": 0.15, "irrelevance": 0.2})
   c.task.style = "python"  # Call syntax of the demonstrations: python ([f(a=1)], shorter) | json.
@@ -104,7 +107,7 @@ def get_config(variant: str = "cast") -> config_dict.ConfigDict:
   elif variant == "cast_hard_to_easy":
     c.task.cast.curriculum = "hard_to_easy"
   elif variant == "tiny":
-    c.task.num_sft, c.task.num_train, c.task.num_test = 64, 8, 8
+    c.task.num_sft, c.task.num_train, c.task.num_validation, c.task.num_test = 64, 8, 8, 8
     c.task.cast.num_samples = 2
     c.sft.steps, c.sft.batch_size, c.sft.warmup_steps = 3, 8, 1
     c.rl.steps, c.rl.prompts_per_step, c.rl.num_generations = 3, 2, 2

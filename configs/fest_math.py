@@ -39,7 +39,11 @@ def get_config(variant: str = "fest_grpo") -> config_dict.ConfigDict:
   c.task.data_seed = 0  # Seed of the generated problems (fixed across experiment seeds).
   c.task.num_sft = 20_000  # Easy (1-2 step) worked solutions: the starting policy's SFT.
   c.task.num_train = 4_000  # D_I: hard (4-5 step) prompts with answers only.
+  c.task.num_validation = 256  # Hard prompts for tuning (Task.validation_examples); never the test set.
   c.task.num_test = 256  # Held-out hard prompts.
+  # Every split (easy SFT, D_I, D_E, validation, test) is disjoint by canonical chain (runs of commuting steps
+  # sorted, multistep_math.canonical_key), from content buckets of 70% (easy SFT and D_I, which differ in step
+  # count) / 10% (D_E) / 10% (validation) / 10% (test) of the problem space.
   c.task.num_shots = c.fest.get_ref("num_shots")  # Follows fest.num_shots.
 
   # Easy SFT: the starting policy (shared by all variants of a seed); fields documented in base_config.
@@ -94,7 +98,7 @@ def get_config(variant: str = "fest_grpo") -> config_dict.ConfigDict:
   elif variant == "fest_grpo":
     pass
   elif variant == "tiny":
-    c.task.num_sft, c.task.num_train, c.task.num_test = 512, 256, 16
+    c.task.num_sft, c.task.num_train, c.task.num_validation, c.task.num_test = 512, 256, 16, 16
     c.model.overrides = config_dict.ConfigDict({"hidden_size": 32, "num_layers": 1, "num_heads": 2,
                                                 "num_kv_heads": 1, "mlp_dim": 64})
     c.fest.num_shots, c.fest.expert_prompts_per_step, c.fest.num_microbatches = 8, 2, 2

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 import numpy as np
 import pytest
 
+from lemon_rl.data import splits as content_splits
 from lemon_rl.envs import arithmetic as ar
 from lemon_rl.rewards.base import as_reward_output
 from lemon_rl.rewards.base import RewardOutput
@@ -107,21 +108,34 @@ class TestSplits:
     assert [e["prompt"] for e in a] != [e["prompt"] for e in ar.generate_examples(3, 300, "train")]
     assert a[:100] == list(ar.generate_examples(3, 100, "sft"))  # A prefix does not depend on num.
 
-  def test_train_and_test_disjoint(self):
+  def test_splits_disjoint_by_canonical_problem(self):
     test = ar.generate_problems(0, 500, "test")
-    assert len(set(test)) == 500  # Distinct.
-    assert all(ar.is_test_problem(p) for p in test)
-    train = set(ar.generate_problems(0, 20_000, "train")) | set(ar.generate_problems(1, 20_000, "sft"))
-    assert not train & set(test)
-    assert not any(ar.is_test_problem(p) for p in train)
-    # Another seed's test set is also held out from this train set.
-    assert not train & set(ar.generate_problems(7, 500, "test"))
+    assert len({ar.canonical_key(p) for p in test}) == 500  # Distinct, also up to operand order.
+    assert all(ar.is_test_problem(p) and ar.bucket_of(p) == "test" for p in test)
+    keys = {split: {ar.canonical_key(p) for p in ar.generate_problems(0, n, split)}
+            for split, n in (("train", 20_000), ("sft", 20_000), ("validation", 500))}
+    keys["test"] = {ar.canonical_key(p) for p in test}
+    for split in keys:
+      assert {ar.bucket_of(ar.parse_prompt(k)) for k in keys[split]} == {split}
+    assert not any(content_splits.key_overlaps(keys).values())
+    # Another seed's test set is also held out from this seed's training splits.
+    assert not (keys["train"] | keys["sft"]) & {ar.canonical_key(p) for p in ar.generate_problems(7, 500, "test")}
+
+  def test_canonical_key_ignores_operand_order(self):
+    assert ar.canonical_key(ar.Problem(68, "+", 57)) == ar.canonical_key(ar.Problem(57, "+", 68)) == "57+68="
+    assert ar.canonical_key(ar.Problem(42, "*", 17)) == ar.canonical_key(ar.Problem(17, "*", 42)) == "17*42="
+    assert ar.canonical_key(ar.Problem(7, "*", 42)) == "7*42="
+    assert ar.canonical_key(ar.Problem(57, "+", 68)) != ar.canonical_key(ar.Problem(57, "*", 68))
+    assert ar.bucket_of(ar.Problem(68, "+", 57)) == ar.bucket_of(ar.Problem(57, "+", 68))
 
   def test_bucket_fraction(self):
     mul_space = [ar.Problem(a, "*", b) for a in range(1, 100) for b in range(10, 100)]
-    held_out = sum(ar.is_test_problem(p) for p in mul_space) / len(mul_space)
-    assert abs(held_out - ar.DEFAULT_TEST_FRACTION) < 0.015  # ~4.5 standard errors on 8,910 problems.
-    assert ar.test_bucket_score("57+68=") == ar.test_bucket_score("57+68=")
+    buckets = collections.Counter(ar.bucket_of(p) for p in mul_space)
+    # 0.02 is >= 2.8 standard errors: 8,910 problems whose 4,095 commuted pairs share a bucket give an s.e. of
+    # 0.0044 at 10% and 0.0072 at 60% (the hash is fixed, so the outcome is too).
+    for name, share in (("test", 0.1), ("validation", 0.1), ("train", 0.2), ("sft", 0.6)):
+      assert abs(buckets[name] / len(mul_space) - share) < 0.02, (name, buckets)
+    assert ar.bucket_score(ar.Problem(57, "+", 68)) == ar.bucket_score(ar.Problem(68, "+", 57))
 
   def test_too_many_test_problems_is_a_clear_error(self):
     with pytest.raises(ValueError, match="distinct test problems"):
@@ -129,8 +143,8 @@ class TestSplits:
 
   def test_bad_arguments(self):
     with pytest.raises(ValueError, match="unknown split"):
-      ar.generate_problems(0, 1, "validation")
-    with pytest.raises(ValueError, match="test_fraction"):
+      ar.generate_problems(0, 1, "dev")
+    with pytest.raises(ValueError, match="bucket fraction"):
       ar.generate_problems(0, 1, "train", test_fraction=0.0)
     with pytest.raises(ValueError, match="p_sloppy"):
       list(ar.generate_examples(0, 1, "sft", p_sloppy=1.5))
@@ -158,7 +172,7 @@ class TestSloppyTeacher:
     assert [e["prompt"] for e in clean] == [e["prompt"] for e in sloppy]
 
   def test_train_and_test_completions_are_exact(self):
-    for split in ("train", "test"):
+    for split in ("train", "test", "validation"):
       assert all(e["completion"] == e["answer"] for e in ar.generate_examples(0, 300, split))
 
   def test_teacher_completion(self):

@@ -11,12 +11,14 @@ import pytest
 
 import lemon_rl
 from lemon_rl.data import BatchIterator
+from lemon_rl.data import splits as content_splits
 from lemon_rl.envs import arithmetic
 from lemon_rl.envs import arithmetic_builder
 from lemon_rl.envs.arithmetic_builder import build_arithmetic
 from lemon_rl.envs.arithmetic_builder import make_config
 
-_PARAMS = {"seed": 5, "num_train": 300, "num_sft": 400, "num_test": 60}
+_PARAMS = {"seed": 5, "num_train": 300, "num_sft": 400, "num_test": 60, "num_validation": 50}
+_SPLITS = ("train", "sft", "validation", "test")
 _FIELDS = ("prompt", "answer", "completion", "sloppy")
 
 
@@ -43,14 +45,14 @@ def _records(source):
 class TestBuilder:
 
   def test_layout_and_sizes(self, builder, sources):
-    assert builder.builder_config.name == "seed5_train300_sft400_test60"
+    assert builder.builder_config.name == "seed5_train300_sft400_test60_val50"
     files = os.listdir(builder.data_dir)
-    for split in ("train", "sft", "test"):
+    for split in _SPLITS:
       assert any(f.startswith(f"lemon_arithmetic-{split}.array_record") for f in files), files
-    assert {k: len(v) for k, v in sources.items()} == {"train": 300, "sft": 400, "test": 60}
+    assert {k: len(v) for k, v in sources.items()} == {"train": 300, "sft": 400, "test": 60, "validation": 50}
     assert builder.info.splits["sft"].num_examples == 400
 
-  @pytest.mark.parametrize("split", ["train", "sft", "test"])
+  @pytest.mark.parametrize("split", _SPLITS)
   def test_record_round_trip(self, sources, split):
     """What is read back is exactly what the generator produced (as a multiset; tfds permutes records)."""
     stored = collections.Counter(tuple(r[k] for k in _FIELDS) for r in _records(sources[split]))
@@ -60,10 +62,11 @@ class TestBuilder:
     assert stored == generated
 
   def test_splits_disjoint(self, sources):
-    test = {r["prompt"] for r in _records(sources["test"])}
-    assert len(test) == 60
-    for split in ("train", "sft"):
-      assert not test & {r["prompt"] for r in _records(sources[split])}
+    """No canonical problem (a+b = b+a) is stored in two splits; test and validation hold distinct ones."""
+    keys = {split: {arithmetic.canonical_key(arithmetic.parse_prompt(r["prompt"])) for r in _records(sources[split])}
+            for split in _SPLITS}
+    assert len(keys["test"]) == 60 and len(keys["validation"]) == 50
+    assert not any(content_splits.key_overlaps(keys).values()), content_splits.key_overlaps(keys)
 
   def test_rebuild_reuses_files(self, builder, tmp_path_factory):
     path = os.path.join(builder.data_dir, "dataset_info.json")
@@ -82,6 +85,8 @@ class TestBuilder:
       make_config(num_test=0)
     with pytest.raises(ValueError, match="p_sloppy"):
       make_config(p_sloppy=2.0)
+    with pytest.raises(ValueError, match="bucket fraction"):
+      make_config(validation_fraction=0.5, train_fraction=0.5)
     with pytest.raises(ValueError, match="either config or"):
       build_arithmetic("/nonexistent", config="default", seed=1)
 

@@ -6,6 +6,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+from lemon_rl.data import splits as content_splits
 from lemon_rl.envs import multistep_math as mm
 from lemon_rl.envs.tasks import TASKS
 
@@ -99,22 +100,28 @@ class TestProblems:
 
 class TestSplits:
 
-  def test_disjoint(self, records):
-    prompts = {split: {r["prompt"] for r in recs} for split, recs in records.items()}
-    for a in mm.SPLITS:
-      for b in mm.SPLITS:
-        if a < b:
-          assert not prompts[a] & prompts[b], (a, b)
+  def test_disjoint_by_canonical_key(self, records):
+    keys = {split: {mm.canonical_key(r["prompt"]) for r in recs} for split, recs in records.items()}
+    overlaps = content_splits.key_overlaps(keys)
+    assert not any(overlaps.values()), overlaps
+
+  def test_canonical_key_sorts_commuting_runs_only(self):
+    assert mm.canonical_key("07+5-3*2*3=") == mm.canonical_key("07-3+5*3*2=") == "07(+5-3)(*2*3)="
+    assert evaluate_chain("07+5-3*2*3=") == evaluate_chain("07-3+5*3*2=")
+    assert mm.canonical_key("07+5*2=") != mm.canonical_key("07*2+5=")  # Different answers: not one problem.
+    assert mm.canonical_key("07+5-1+1=") != mm.canonical_key("07+5=")  # The step count is part of the problem.
+    assert mm.canonical_key(mm.parse_prompt("12-4+9=")) == mm.canonical_key("12+9-4=")
 
   def test_buckets(self, records):
     expected = {"easy_sft": "train", "hard_train": "train", "expert": "expert", "easy_test": "test",
-                "hard_test": "test", "shifted_test": "test"}
+                "hard_test": "test", "shifted_test": "test", "hard_validation": "validation"}
+    assert set(expected) == set(mm.SPLITS)
     for split, recs in records.items():
       assert {mm.bucket_of(r["prompt"]) for r in recs} == {expected[split]}
 
   def test_distinct_where_promised(self, records):
-    for split in ("easy_test", "expert", "hard_train", "hard_test", "shifted_test"):
-      assert len({r["prompt"] for r in records[split]}) == NUM, split
+    for split in ("easy_test", "expert", "hard_train", "hard_validation", "hard_test", "shifted_test"):
+      assert len({mm.canonical_key(r["prompt"]) for r in records[split]}) == NUM, split
 
   def test_deterministic(self, records):
     for split in mm.SPLITS:
@@ -134,6 +141,8 @@ class TestSplits:
     assert all(r["completion"] == r["solution"] and r["num_steps"] <= 2 for r in sft)
     assert all(r["num_steps"] >= 6 for r in mm.shifted_test(0, 20))
     assert mm.hard_test(0, 20) == list(mm.generate_examples(0, 20, "hard_test"))
+    assert mm.hard_validation(0, 20) == list(mm.generate_examples(0, 20, "hard_validation"))
+    assert all(4 <= r["num_steps"] <= 5 for r in mm.hard_validation(0, 20))
 
   def test_num_steps_override_and_errors(self):
     recs = list(mm.generate_examples(0, 20, "hard_test", num_steps=(3, 3)))
@@ -209,9 +218,11 @@ class TestVerifier:
 class TestTaskBuilder:
 
   def test_fest_math_task(self):
-    cfg = ml_collections.ConfigDict(dict(data_seed=0, num_sft=40, num_train=30, num_test=20, num_shots=16))
+    cfg = ml_collections.ConfigDict(dict(data_seed=0, num_sft=40, num_train=30, num_test=20, num_validation=24,
+                                         num_shots=16))
     task = TASKS.get("fest_math")(cfg, "/nonexistent")
     assert len(task.sft_source) == 40 and len(task.rl_source) == 30 and len(task.test_examples) == 20
+    assert task.validation_examples == mm.hard_validation(0, 24)
     assert all(r["completion"] == r["solution"] and r["num_steps"] <= 2 for r in task.sft_source)
     assert all("solution" not in r and r["num_steps"] >= 4 for r in task.rl_source)
     assert task.test_examples == mm.hard_test(0, 20)
@@ -228,6 +239,7 @@ class TestTaskBuilder:
     assert task.tokenizer.decode(ids) == hard[0]["solution"]
 
   def test_bad_config(self):
-    cfg = ml_collections.ConfigDict(dict(data_seed=0, num_sft=4, num_train=3, num_test=2, num_shots=0))
+    cfg = ml_collections.ConfigDict(dict(data_seed=0, num_sft=4, num_train=3, num_test=2, num_validation=2,
+                                         num_shots=0))
     with pytest.raises(ValueError, match="num_shots"):
       TASKS.get("fest_math")(cfg, "")

@@ -19,10 +19,15 @@ Carry-less arithmetic (what the "sloppy teacher" writes with probability ``p_slo
   (k=0: 3*5 = 15 -> 5, k=1: 2*5 + 3*4 = 22 -> 2, k=2: 2*4 = 8), whereas
   ``23 * 45 = 1035``. When no column overflows, the carry-less and exact results coincide.
 
-Train / test splits are disjoint *by construction*: a problem belongs to the test bucket iff a stable hash
-(BLAKE2b) of its prompt falls below ``test_fraction``; train and SFT problems are drawn only from the other
-bucket, test problems only from the test bucket (distinct, without replacement). Every generator is a pure
-function of ``(seed, split)``.
+Splits are disjoint by CONTENT (``lemon_rl.data.splits``): a problem's bucket is a stable hash (BLAKE2b) of
+its canonical key (:func:`canonical_key`: the prompt with commutative operands sorted, so ``68+57=`` and
+``57+68=`` are one problem). *Decision*: four buckets, ``test`` (``test_fraction`` = 10% of the key space),
+``validation`` (10%), ``train`` (the RL prompts, 20%) and ``sft`` (the rest, 60%), one per split; every split
+draws only from its own bucket, so SFT demonstrations, RL prompts, validation and test share no problem in
+either operand order. ``test`` and ``validation`` hold distinct problems (without replacement), ``train`` and
+``sft`` are i.i.d. (repeats possible). 490,545 addition and 4,905 multiplication keys exist (a
+multiplication ``a*b`` with ``a < 10`` has no commuted form in range), so each bucket keeps every operand
+size. Every generator is a pure function of ``(seed, split)`` and prefix-stable in ``num``.
 
 The verifier :func:`answer_reward` follows ``lemon_rl/rewards/base.py``.
 """
@@ -35,7 +40,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from lemon_rl.data.splits import content_score
+from lemon_rl.data import splits as content_splits
 from lemon_rl.rewards.base import RewardOutput
 from lemon_rl.rewards.formats import as_text, check_same_length, clean_completion
 
@@ -44,9 +49,13 @@ ADD_RANGE = (10, 999)  # Both operands, inclusive.
 MUL_LHS_RANGE = (1, 99)
 MUL_RHS_RANGE = (10, 99)
 DEFAULT_TEST_FRACTION = 0.1
+DEFAULT_VALIDATION_FRACTION = 0.1
+DEFAULT_TRAIN_FRACTION = 0.2  # The RL prompts' bucket; SFT gets the rest.
 DEFAULT_P_SLOPPY = 0.5
 DEFAULT_MUL_FRACTION = 0.5
-SPLITS = ("train", "sft", "test")
+SPLITS = ("train", "sft", "test", "validation")  # Appended only: a split's stream is its index.
+_DISTINCT_SPLITS = ("test", "validation")
+_SALT = b"lemon-arith"
 # Consecutive draws without a new usable problem after which generation gives up (the test bucket is exhausted).
 _MAX_STALLED_DRAWS = 50_000
 
@@ -144,14 +153,38 @@ def parse_prompt(prompt: str) -> Problem:
   return Problem(int(match.group(1)), match.group(2), int(match.group(3)))
 
 
-def test_bucket_score(prompt: str) -> float:
-  """A stable pseudo-random number in ``[0, 1)`` for a prompt (BLAKE2b, independent of any seed)."""
-  return content_score(prompt, b"lemon-arith")
+def canonical_key(problem: Problem) -> str:
+  """The content key of a problem: its prompt with the operands in ascending order.
+
+  Addition and multiplication commute, so ``a+b`` and ``b+a`` are one problem: ``canonical_key`` of
+  ``68+57=`` and of ``57+68=`` is ``"57+68="``. (The sorted form is itself a valid problem: a multiplication
+  operand below 10 is always the smaller one.)
+  """
+  return f"{min(problem.a, problem.b)}{problem.op}{max(problem.a, problem.b)}="
+
+
+def _fractions(test_fraction: float, validation_fraction: float, train_fraction: float):
+  fractions = (("test", test_fraction), ("validation", validation_fraction), ("train", train_fraction))
+  content_splits.check_fractions(fractions, "sft")
+  return fractions
+
+
+def bucket_of(problem: Problem, test_fraction: float = DEFAULT_TEST_FRACTION,
+              validation_fraction: float = DEFAULT_VALIDATION_FRACTION,
+              train_fraction: float = DEFAULT_TRAIN_FRACTION) -> str:
+  """The split whose bucket holds ``problem`` (``"test"``, ``"validation"``, ``"train"`` or ``"sft"``)."""
+  return content_splits.content_bucket(canonical_key(problem), _SALT,
+                                       _fractions(test_fraction, validation_fraction, train_fraction), "sft")
+
+
+def bucket_score(problem: Problem) -> float:
+  """The stable number in ``[0, 1)`` that places ``problem`` (BLAKE2b of its canonical key, seed-free)."""
+  return content_splits.content_score(canonical_key(problem), _SALT)
 
 
 def is_test_problem(problem: Problem, test_fraction: float = DEFAULT_TEST_FRACTION) -> bool:
   """Whether ``problem`` is held out (in the test bucket)."""
-  return test_bucket_score(problem.prompt) < test_fraction
+  return bucket_score(problem) < test_fraction
 
 
 def sample_problem(rng: np.random.Generator, mul_fraction: float = DEFAULT_MUL_FRACTION) -> Problem:
@@ -171,13 +204,16 @@ def split_rng(seed: int, split: str) -> np.random.Generator:
 
 
 def generate_problems(seed: int, num: int, split: str, *, mul_fraction: float = DEFAULT_MUL_FRACTION,
-                      test_fraction: float = DEFAULT_TEST_FRACTION) -> list[Problem]:
+                      test_fraction: float = DEFAULT_TEST_FRACTION,
+                      validation_fraction: float = DEFAULT_VALIDATION_FRACTION,
+                      train_fraction: float = DEFAULT_TRAIN_FRACTION) -> list[Problem]:
   """``num`` problems of ``split``; deterministic in ``(seed, split)``.
 
-  ``train``/``sft``: i.i.d. from the non-test bucket (repeats possible). ``test``: distinct problems from the
-  test bucket.
+  ``train``/``sft``: i.i.d. from their buckets (repeats possible). ``test``/``validation``: distinct problems
+  (by canonical key) from theirs.
   """
-  return [p for p, _ in _generate(seed, num, split, mul_fraction, test_fraction, p_sloppy=0.0)]
+  return [p for p, _ in _generate(seed, num, split, mul_fraction, test_fraction, validation_fraction,
+                                  train_fraction, p_sloppy=0.0)]
 
 
 def teacher_completion(problem: Problem, rng: np.random.Generator,
@@ -193,46 +229,38 @@ def teacher_completion(problem: Problem, rng: np.random.Generator,
 
 
 def _generate(seed: int, num: int, split: str, mul_fraction: float, test_fraction: float,
+              validation_fraction: float, train_fraction: float,
               p_sloppy: float) -> Iterator[tuple[Problem, tuple[str, bool]]]:
-  if not 0.0 < test_fraction < 1.0:
-    raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+  fractions = _fractions(test_fraction, validation_fraction, train_fraction)
   if not 0.0 <= mul_fraction <= 1.0:
     raise ValueError(f"mul_fraction must be in [0, 1], got {mul_fraction}")
   if num < 0:
     raise ValueError(f"num must be >= 0, got {num}")
   rng = split_rng(seed, split)
   teacher_rng = np.random.default_rng([int(seed), SPLITS.index(split), 1])
-  want_test = split == "test"
-  seen: set[Problem] = set()
-  count = stalled = 0
-  while count < num:
-    stalled += 1
-    if stalled > _MAX_STALLED_DRAWS:
-      raise ValueError(f"could not draw {num} distinct test problems (test_fraction={test_fraction}, "
-                       f"mul_fraction={mul_fraction}): only {count} found; lower num or raise test_fraction")
-    problem = sample_problem(rng, mul_fraction)
-    if is_test_problem(problem, test_fraction) != want_test:
-      continue
-    if want_test:
-      if problem in seen:
-        continue
-      seen.add(problem)
-    stalled = 0
+  distinct = split in _DISTINCT_SPLITS
+  problems = content_splits.draw_from_bucket(
+      lambda: sample_problem(rng, mul_fraction), canonical_key,
+      lambda key: content_splits.content_bucket(key, _SALT, fractions, "sft"), split, num, distinct=distinct,
+      max_misses=_MAX_STALLED_DRAWS, what=f"{'distinct ' if distinct else ''}{split} problems")
+  for problem in problems:
     completion = teacher_completion(problem, teacher_rng, p_sloppy) if split == "sft" else (problem.answer, False)
-    count += 1
     yield problem, completion
 
 
 def generate_examples(seed: int, num: int, split: str, *, p_sloppy: float = DEFAULT_P_SLOPPY,
                       mul_fraction: float = DEFAULT_MUL_FRACTION,
-                      test_fraction: float = DEFAULT_TEST_FRACTION) -> Iterator[dict[str, Any]]:
+                      test_fraction: float = DEFAULT_TEST_FRACTION,
+                      validation_fraction: float = DEFAULT_VALIDATION_FRACTION,
+                      train_fraction: float = DEFAULT_TRAIN_FRACTION) -> Iterator[dict[str, Any]]:
   """Records of ``split``, deterministic in ``(seed, split)``.
 
   Each record: ``prompt`` (e.g. ``"57+68="``), ``answer`` (exact, 4 digits), ``completion`` (the demonstration:
   the sloppy teacher's for ``sft``, the exact answer otherwise), ``carryless_answer``, ``sloppy`` (whether the
   completion is the carry-less one), ``op``, ``a``, ``b``.
   """
-  for problem, (completion, sloppy) in _generate(seed, num, split, mul_fraction, test_fraction, p_sloppy):
+  for problem, (completion, sloppy) in _generate(seed, num, split, mul_fraction, test_fraction,
+                                                 validation_fraction, train_fraction, p_sloppy):
     yield {"prompt": problem.prompt, "answer": problem.answer, "completion": completion,
            "carryless_answer": problem.carryless_answer, "sloppy": sloppy, "op": problem.op,
            "a": problem.a, "b": problem.b}

@@ -36,22 +36,29 @@ skill that a few hundred demonstrations cannot teach.
 
 Splits (``SPLIT_STEPS`` gives the step range of each):
 
-============  =====  ============  ====================================================
-split         steps  bucket        use
-============  =====  ============  ====================================================
-easy_sft      1-2    train         SFT demonstrations of the starting policy (i.i.d.)
-easy_test     1-2    test          held-out check of the starting policy (distinct)
-expert        4-5    expert        ``D_E``: hard problems with worked solutions (distinct)
-hard_train    4-5    train         ``D_I``: hard problems, answers only for RL (distinct)
-hard_test     4-5    test          held-out hard problems (distinct)
-shifted_test  6-7    test          out-of-distribution: longer chains (distinct)
-============  =====  ============  ====================================================
+===============  =====  ==========  ====================================================
+split            steps  bucket      use
+===============  =====  ==========  ====================================================
+easy_sft         1-2    train       SFT demonstrations of the starting policy (i.i.d.)
+easy_test        1-2    test        held-out check of the starting policy (distinct)
+expert           4-5    expert      ``D_E``: hard problems with worked solutions (distinct)
+hard_train       4-5    train       ``D_I``: hard problems, answers only for RL (distinct)
+hard_validation  4-5    validation  hard problems for tuning hyper-parameters (distinct)
+hard_test        4-5    test        held-out hard problems (distinct)
+shifted_test     6-7    test        out-of-distribution: longer chains (distinct)
+===============  =====  ==========  ====================================================
 
-Buckets make the splits disjoint *by construction*: a stable hash (BLAKE2b) of the prompt gives a score
-``s in [0, 1)``; ``s < test_fraction`` is the test bucket, ``s < test_fraction + expert_fraction`` the expert
-bucket, the rest the train bucket. Splits sharing a bucket differ in their step counts, so no prompt is in two
-splits. Every generator is a pure function of ``(seed, split)``; the distinct splits are drawn sequentially, so
-``expert_demonstrations(seed, 64)`` is a prefix of ``expert_demonstrations(seed, 128)``.
+Buckets make the splits disjoint by CONTENT, by construction (``lemon_rl.data.splits``): a stable hash
+(BLAKE2b) of the problem's canonical key (:func:`canonical_key`) gives a score ``s in [0, 1)``;
+``s < test_fraction`` is the test bucket, the next ``expert_fraction`` the expert bucket, the next
+``validation_fraction`` the validation bucket, the rest (70% by default) the train bucket. *Decision*: the key
+is the chain with every maximal run of commuting steps sorted (``07+5-3*2`` and ``07-3+5*2`` are one problem:
+additions and subtractions commute with each other, multiplications with each other, so both chains have the
+same answer), so a reordered chain cannot leak an answer into another split. The key keeps the step count, so
+the splits sharing a bucket (``easy_sft`` / ``hard_train``; the three test splits) share no key either. The
+distinct splits hold distinct keys. Every generator is a pure function of ``(seed, split)``; the distinct
+splits are drawn sequentially, so ``expert_demonstrations(seed, 64)`` is a prefix of
+``expert_demonstrations(seed, 128)``.
 
 The verifier :func:`answer_reward` follows ``lemon_rl/rewards/base.py``: reward 1 iff the text after the last
 ``"#"`` is the answer (as a decimal integer, so ``"#7"`` and ``"#07"`` both answer ``"07"``).
@@ -65,7 +72,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from lemon_rl.data.splits import content_bucket
+from lemon_rl.data import splits as content_splits
 from lemon_rl.rewards.base import RewardOutput
 from lemon_rl.rewards.formats import as_text, check_same_length, clean_completion
 
@@ -80,6 +87,7 @@ MAX_PROMPT_LEN = 64  # Bytes; the CPU budget of the experiments.
 MAX_SOLUTION_LEN = 96  # Bytes, EOS not included.
 DEFAULT_TEST_FRACTION = 0.1
 DEFAULT_EXPERT_FRACTION = 0.1
+DEFAULT_VALIDATION_FRACTION = 0.1
 
 SPLIT_STEPS: dict[str, tuple[int, int]] = {
     "easy_sft": (1, 2),
@@ -88,10 +96,12 @@ SPLIT_STEPS: dict[str, tuple[int, int]] = {
     "hard_train": (4, 5),
     "hard_test": (4, 5),
     "shifted_test": (6, 7),
+    "hard_validation": (4, 5),  # Last: a split's random stream is its index in SPLITS.
 }
 SPLITS = tuple(SPLIT_STEPS)
 _SPLIT_BUCKET = {"easy_sft": "train", "easy_test": "test", "expert": "expert", "hard_train": "train",
-                 "hard_test": "test", "shifted_test": "test"}
+                 "hard_test": "test", "shifted_test": "test", "hard_validation": "validation"}
+_SALT = b"lemon-fest"
 _IID_SPLITS = ("easy_sft",)  # Only 1,792 one-step prompts exist: repeats are allowed there.
 
 _STEP_RE = re.compile(r"^([0-9]+)([+*-])([0-9]+)=([0-9]+)$")
@@ -217,10 +227,39 @@ def sample_problem(rng: np.random.Generator, num_steps: int) -> Problem:
   return Problem(start, tuple(steps))
 
 
-def bucket_of(prompt: str, test_fraction: float = DEFAULT_TEST_FRACTION,
-              expert_fraction: float = DEFAULT_EXPERT_FRACTION) -> str:
-  """``"test"``, ``"expert"`` or ``"train"``: the hash bucket of ``prompt``."""
-  return content_bucket(prompt, b"lemon-fest", (("test", test_fraction), ("expert", expert_fraction)), "train")
+_COMMUTING = {"+": "+", "-": "+", "*": "*"}  # Steps of one class commute in a left-to-right chain.
+
+
+def canonical_key(problem: Problem | str) -> str:
+  """The content key of a chain (a :class:`Problem` or its prompt): each maximal run of commuting steps sorted.
+
+  ``+b`` and ``-b`` steps commute with each other, ``*b`` steps with each other, so reordering a run changes
+  neither the answer nor the step count: ``07+5-3*2*3=`` and ``07-3+5*3*2=`` both give ``"07(+5-3)(*2*3)="``.
+  """
+  if isinstance(problem, str):
+    problem = parse_prompt(problem)
+  runs: list[list[tuple[str, int]]] = []
+  for op, operand in problem.steps:
+    if runs and _COMMUTING[runs[-1][0][0]] == _COMMUTING[op]:
+      runs[-1].append((op, operand))
+    else:
+      runs.append([(op, operand)])
+  return _fmt(problem.start) + "".join("(" + "".join(f"{op}{b}" for op, b in sorted(run)) + ")"
+                                       for run in runs) + "="
+
+
+def _fractions(test_fraction: float, expert_fraction: float, validation_fraction: float):
+  fractions = (("test", test_fraction), ("expert", expert_fraction), ("validation", validation_fraction))
+  content_splits.check_fractions(fractions, "train")
+  return fractions
+
+
+def bucket_of(problem: Problem | str, test_fraction: float = DEFAULT_TEST_FRACTION,
+              expert_fraction: float = DEFAULT_EXPERT_FRACTION,
+              validation_fraction: float = DEFAULT_VALIDATION_FRACTION) -> str:
+  """``"test"``, ``"expert"``, ``"validation"`` or ``"train"``: the hash bucket of a chain's canonical key."""
+  return content_splits.content_bucket(canonical_key(problem), _SALT,
+                                       _fractions(test_fraction, expert_fraction, validation_fraction), "train")
 
 
 def split_rng(seed: int, split: str) -> np.random.Generator:
@@ -232,7 +271,8 @@ def split_rng(seed: int, split: str) -> np.random.Generator:
 
 def generate_problems(seed: int, num: int, split: str, *, num_steps: tuple[int, int] | None = None,
                       test_fraction: float = DEFAULT_TEST_FRACTION,
-                      expert_fraction: float = DEFAULT_EXPERT_FRACTION) -> list[Problem]:
+                      expert_fraction: float = DEFAULT_EXPERT_FRACTION,
+                      validation_fraction: float = DEFAULT_VALIDATION_FRACTION) -> list[Problem]:
   """``num`` problems of ``split``; deterministic in ``(seed, split)``.
 
   Args:
@@ -242,40 +282,26 @@ def generate_problems(seed: int, num: int, split: str, *, num_steps: tuple[int, 
     num_steps: ``(lo, hi)`` inclusive step range, drawn uniformly; default ``SPLIT_STEPS[split]``.
     test_fraction: mass of the test bucket.
     expert_fraction: mass of the expert bucket.
+    validation_fraction: mass of the validation bucket.
   """
   if split not in SPLITS:
     raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
   lo, hi = SPLIT_STEPS[split] if num_steps is None else num_steps
   if not 1 <= lo <= hi <= MAX_STEPS:
     raise ValueError(f"num_steps must satisfy 1 <= lo <= hi <= {MAX_STEPS}, got {(lo, hi)}")
-  if not (0.0 < test_fraction < 1.0 and 0.0 < expert_fraction < 1.0 and test_fraction + expert_fraction < 1.0):
-    raise ValueError(f"need 0 < test_fraction, expert_fraction and test_fraction + expert_fraction < 1, got "
-                     f"test_fraction={test_fraction}, expert_fraction={expert_fraction}")
+  fractions = _fractions(test_fraction, expert_fraction, validation_fraction)
   if num < 0:
     raise ValueError(f"num must be >= 0, got {num}")
   bucket = _SPLIT_BUCKET[split]
-  fraction = {"test": test_fraction, "expert": expert_fraction,
-              "train": 1.0 - test_fraction - expert_fraction}[bucket]
   distinct = split not in _IID_SPLITS
   rng = split_rng(seed, split)
-  out: list[Problem] = []
-  seen: set[Problem] = set()
-  # Give up once this many draws in a row were rejected: the distinct pool is (nearly) exhausted.
-  max_misses = int(1000 / fraction)
-  misses = 0
-  while len(out) < num:
-    if misses > max_misses:
-      raise ValueError(f"could not draw {num} distinct {split!r} problems with {lo}-{hi} steps (got {len(out)} "
-                       f"before {max_misses} draws in a row were rejected); lower num or widen num_steps")
-    problem = sample_problem(rng, int(rng.integers(lo, hi + 1)))
-    if bucket_of(problem.prompt, test_fraction, expert_fraction) != bucket or (distinct and problem in seen):
-      misses += 1
-      continue
-    misses = 0
-    if distinct:
-      seen.add(problem)
-    out.append(problem)
-  return out
+  return content_splits.draw_from_bucket(
+      lambda: sample_problem(rng, int(rng.integers(lo, hi + 1))), canonical_key,
+      lambda key: content_splits.content_bucket(key, _SALT, fractions, "train"), bucket, num,
+      distinct=distinct,
+      # Rejections in a row before giving up: the (distinct) pool is (nearly) exhausted.
+      max_misses=int(1000 / content_splits.bucket_mass(fractions, "train", bucket)),
+      what=f"{'distinct ' if distinct else ''}{split!r} problems with {lo}-{hi} steps")
 
 
 def record(problem: Problem, split: str) -> dict[str, Any]:
@@ -318,6 +344,11 @@ def expert_demonstrations(seed: int, num_shots: int) -> list[dict[str, Any]]:
 def rl_prompts(seed: int, num: int) -> list[dict[str, Any]]:
   """``D_I``: ``num`` distinct hard problems with answers only (no worked solution)."""
   return [answers_only(r) for r in generate_examples(seed, num, "hard_train")]
+
+
+def hard_validation(seed: int, num: int) -> list[dict[str, Any]]:
+  """``num`` distinct hard problems for tuning (the validation bucket: disjoint from every other split)."""
+  return list(generate_examples(seed, num, "hard_validation"))
 
 
 def hard_test(seed: int, num: int) -> list[dict[str, Any]]:

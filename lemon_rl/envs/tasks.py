@@ -1,8 +1,15 @@
 """Tasks: what an experiment trains on, built by name from the ``task`` config section.
 
 A :class:`Task` bundles a tokenizer, random-access sources of SFT demonstrations and RL prompts (records
-are dicts with a ``prompt`` and the fields the reward functions need), held-out examples, the reward
-functions of training and the 0/1 correctness function of evaluation.
+are dicts with a ``prompt`` and the fields the reward functions need), validation and held-out test
+examples, the reward functions of training and the 0/1 correctness function of evaluation.
+
+Splits. Every task's SFT, RL, validation and test examples (and FEST's expert shots) are disjoint by a
+canonical CONTENT KEY defined in the task's module (``canonical_key``: the normalised problem or gold call,
+so a rephrasing or ``a+b`` / ``b+a`` lands in the same split; ``lemon_rl.data.splits``), checked per task by
+``tests/test_splits.py``. ``validation_examples`` are for choosing hyper-parameters and stopping rules; the
+runner does not evaluate them (it scores ``test_examples``), so an experiment that tunes scores its
+candidates on ``validation_examples`` and reports ``test_examples`` once, for the chosen setting.
 
 A task whose RL rewards or data order depend on the SFT policy (CAST's case library) sets ``prepare_rl``:
 ``prepare_rl(model, tokenizer, workdir, config) -> (rewards, iterator)`` is called once after SFT, with
@@ -39,6 +46,9 @@ class Task:
   prepare_rl: Callable[..., tuple[list[WeightedReward], Any]] | None = None
   # Prompts with expert solutions (``prompt``, ``completion`` = ``y+`` and the reward fields): FEST's ``D_E``.
   expert_source: Sequence[dict[str, Any]] | None = None
+  # Examples for tuning (records like ``test_examples``, from a content bucket of their own; module
+  # docstring). Every registered task sets them (``task.num_validation``); None only for a task without one.
+  validation_examples: list[dict[str, Any]] | None = None
 
 
 TaskBuilder = Callable[[Any, str], Task]
@@ -61,14 +71,15 @@ def arithmetic_task(cfg, data_dir: str) -> Task:
   from lemon_rl.envs import arithmetic  # pylint: disable=g-import-not-at-top
 
   builder = build_arithmetic(os.path.join(data_dir, "tfds"), seed=cfg.data_seed, num_train=cfg.num_train,
-                             num_sft=cfg.num_sft, num_test=cfg.num_test, p_sloppy=cfg.p_sloppy,
-                             mul_fraction=cfg.mul_fraction)
+                             num_sft=cfg.num_sft, num_test=cfg.num_test, num_validation=cfg.num_validation,
+                             p_sloppy=cfg.p_sloppy, mul_fraction=cfg.mul_fraction)
   tokenizer = ByteTokenizer()
   return Task(
       tokenizer=tokenizer,
       sft_source=builder.as_data_source("sft"),
       rl_source=builder.as_data_source("train"),
       test_examples=decoded(builder.as_data_source("test")),
+      validation_examples=decoded(builder.as_data_source("validation")),
       rewards=[WeightedReward("answer", arithmetic.answer_reward, 1.0)],
       eval_reward=arithmetic.answer_reward,
       max_new_tokens=arithmetic.ANSWER_WIDTH + 2,
@@ -83,7 +94,8 @@ def fest_math_task(cfg, data_dir: str) -> Task:
 
   Config fields: ``data_seed`` (every split is a pure function of it), ``num_sft`` (easy 1-2 step worked
   solutions, ``prompt``/``completion``: the starting policy's SFT), ``num_train`` (``D_I``: hard 4-5 step
-  prompts with answers only), ``num_test`` (held-out hard prompts), ``num_shots`` (``D_E``: hard prompts with
+  prompts with answers only), ``num_test`` (held-out hard prompts), ``num_validation`` (hard prompts for
+  tuning, ``multistep_math.hard_validation``), ``num_shots`` (``D_E``: hard prompts with
   worked solutions, ``expert_source``; 64 shots are a prefix of 128). ``multistep_math.shifted_test`` gives the
   out-of-distribution set (generate it with ``completion_budget(7)`` tokens). ``data_dir`` is unused.
   """
@@ -98,6 +110,7 @@ def fest_math_task(cfg, data_dir: str) -> Task:
       sft_source=multistep_math.sft_demonstrations(cfg.data_seed, cfg.num_sft),
       rl_source=multistep_math.rl_prompts(cfg.data_seed, cfg.num_train),
       test_examples=multistep_math.hard_test(cfg.data_seed, cfg.num_test),
+      validation_examples=multistep_math.hard_validation(cfg.data_seed, cfg.num_validation),
       rewards=[WeightedReward("answer", multistep_math.answer_reward, 1.0)],
       eval_reward=multistep_math.answer_reward,
       # The longest hard solution (43 bytes), one extra line of slack and EOS: 52 tokens.
@@ -125,7 +138,7 @@ def tool_use_task(cfg, data_dir: str) -> Task:
   per-category / per-difficulty metrics (:class:`lemon_rl.envs.tool_use_task.ToolUseScore`). The RL
   rewards and data order come from ``prepare_rl`` (``task.reward``: ``"exact"`` = plain GRPO, ``"cast"`` =
   case library -> :class:`lemon_rl.rewards.cast.CastReward` + curriculum; options in ``task.cast``).
-  Config fields: ``data_seed``, ``num_sft``, ``num_train``, ``num_test``, ``category_weights``,
+  Config fields: ``data_seed``, ``num_sft``, ``num_train``, ``num_validation``, ``num_test``, ``category_weights``,
   ``style`` (call syntax), ``max_prompt_bytes``, ``max_completion_bytes``, ``reward``, ``cast``.
   """
   del data_dir
@@ -142,6 +155,7 @@ def tool_use_task(cfg, data_dir: str) -> Task:
       sft_source=tut.make_split(cfg, "sft"),
       rl_source=train,
       test_examples=tut.make_split(cfg, "test"),
+      validation_examples=tut.make_split(cfg, "validation"),
       rewards=[WeightedReward("exact", score, 1.0)],
       eval_reward=score,
       max_new_tokens=budget,

@@ -15,7 +15,10 @@ An example is a dict with the fields
   with the difficulty (one planning sentence, plus one explicit step per conversion such as ``5%=0.05``);
 - ``num_conversions``: how many conversions the request needs (a static difficulty tag);
 - ``intent``: the world tools that would serve the request (for ``irrelevance``: the tool the request was
-  drawn from, none of which, nor its substitutes, is offered; ``[]`` for off-world requests).
+  drawn from, none of which, nor its substitutes, is offered; ``[]`` for off-world requests);
+- ``request``: the calls the query asks for, in ``gold``'s format: ``gold`` itself, except for
+  ``irrelevance``, where it is the call of the tool the request was drawn from (``[]`` off-world). It is what
+  the content key of the splits reads (``lemon_rl.envs.tool_use_task.canonical_key``).
 
 Everything is deterministic given ``seed`` (Python's :class:`random.Random`, whose sequence for ``random()``,
 ``randint``, ``choice`` and ``sample`` is stable across Python versions).
@@ -143,7 +146,8 @@ def _offered(rng: random.Random, tools: Sequence[str]) -> list[dict[str, Any]]:
 
 
 def _example(category: str, query: str, offered: list[dict[str, Any]], calls: Sequence[world.Call],
-             thinking: str, style: str, intent: Sequence[str] | None = None) -> dict[str, Any]:
+             thinking: str, style: str, intent: Sequence[str] | None = None,
+             request: Sequence[world.Call] | None = None) -> dict[str, Any]:
   return {
       "category": category,
       "query": query,
@@ -153,6 +157,7 @@ def _example(category: str, query: str, offered: list[dict[str, Any]], calls: Se
       "demonstration": render_completion(thinking, [(c.tool, c.args) for c in calls], style),
       "num_conversions": sum(len(c.notes) for c in calls),
       "intent": list(dict.fromkeys(c.tool for c in calls)) if intent is None else list(intent),
+      "request": [c.gold_call for c in (calls if request is None else request)],
   }
 
 
@@ -198,9 +203,11 @@ def generate_example(rng: random.Random, category: str, style: str = "json") -> 
       clause, need = rng.choice(world.OFF_WORLD_REQUESTS)
       offered = rng.sample(world.TOOL_NAMES, rng.randint(1, 2))
       intent: list[str] = []
+      request: list[world.Call] = []
     else:
       tool = rng.choice(world.TOOL_NAMES)
-      clause, need = world.SAMPLERS[tool](rng).clause, world.PURPOSE[tool]
+      request = [world.SAMPLERS[tool](rng)]
+      clause, need = request[0].clause, world.PURPOSE[tool]
       banned = {tool, *world.SUBSTITUTES.get(tool, ())}
       near = [t for t in world.CLUSTERS[world.CLUSTER_OF[tool]] if t not in banned]
       far = [t for t in world.TOOL_NAMES if t not in banned and t not in near]
@@ -208,7 +215,7 @@ def generate_example(rng: random.Random, category: str, style: str = "json") -> 
       offered = [first] + ([rng.choice([t for t in far if t != first])] if rng.random() < 0.4 else [])
       intent = [tool]
     thinking = f"Needs {need}; no offered tool does that."
-    return _example(category, _sentence([clause]), _offered(rng, offered), [], thinking, style, intent)
+    return _example(category, _sentence([clause]), _offered(rng, offered), [], thinking, style, intent, request)
 
   raise ValueError(f"unknown category {category!r}; expected one of {CATEGORIES}")
 

@@ -2,11 +2,12 @@
 
 Pieces (the task itself is registered in :mod:`lemon_rl.envs.tasks` as ``"tool_use"``):
 
-- :func:`make_split`: examples of :mod:`lemon_rl.envs.tool_use` as flat records (``gold`` / ``functions``
-  as JSON strings, so that they collate like any text field), each tagged with a static ``difficulty``:
-  ``"easy"`` = at most one call and no conversion note, ``"hard"`` = several calls or a conversion
-  (*Decision*: the held-out set is binned by this tag, because the case library's hardness ``H`` exists only
-  for training queries).
+- :func:`make_split`: examples of :mod:`lemon_rl.envs.tool_use` as flat records (``gold`` / ``functions`` /
+  ``request`` as JSON strings, so that they collate like any text field), each tagged with a static
+  ``difficulty``: ``"easy"`` = at most one call and no conversion note, ``"hard"`` = several calls or a
+  conversion (*Decision*: the held-out set is binned by this tag, because the case library's hardness ``H``
+  exists only for training queries). The splits ``sft``, ``train`` (RL), ``validation`` and ``test`` are
+  disjoint by content (below).
 - :class:`ToolUseScore`: the evaluation function (reward = BFCL exact match, 1.0 iff exact) with the six
   dimension scores, format, think length, and accuracy / think length per category and difficulty as
   per-sample metrics (``NaN`` where the sample is not in the group, so means are group means). It is also
@@ -17,12 +18,37 @@ Pieces (the task itself is registered in :mod:`lemon_rl.envs.tasks` as ``"tool_u
 - :func:`prepare_rl`: the ``Task.prepare_rl`` hook: case library (persisted as JSONL in
   ``<workdir>/cases/``; a resumed run rebuilds the profiles from that file instead of re-sampling) ->
   complexity and failure profiles -> :class:`lemon_rl.rewards.cast.CastReward` and the curriculum.
+
+Splits by content (``lemon_rl.data.splits``). *Decision*: the content key (:func:`canonical_key`) is the
+REQUEST, the multiset of calls the query asks for, each normalised by
+:func:`lemon_rl.envs.tool_world.canonical_call` (tool name + arguments with sorted keys, canonical numbers
+and strings, defaults dropped, lists as multisets). It ignores the wording ("$5k" / "5000 dollars" /
+"five thousand dollars"), the order of the calls, the offered tools and distractors, and the category: an
+``irrelevance`` query is keyed by the call it was drawn from, so "Get the weather in Oslo." is in one split
+whether ``get_weather`` is offered or not; only off-world requests ("tell me a joke") are keyed by their
+normalised text. Each split draws only requests whose key hashes into its bucket (``test``: 10% of the key
+space, ``validation``: 10%, ``train``: 10%, ``sft``: the rest, :data:`BUCKETS`), so no request is in two
+splits in any wording. The category of each record is drawn first and kept, then examples of that category
+are drawn until one fits the byte limits and the bucket, so every split has the configured category mix.
+The unit is the whole request, not each call: a held-out two-call query may combine calls that training
+queries make separately (composition is part of what is tested), whereas holding out single calls would
+hold out argument values that no training example then teaches (the world has 8 tickers: the request "price
+of Netflix" is in the test bucket, yet SFT teaches Netflix=NFLX through two-call requests in its own bucket).
+Key space: at least 71,457 single-call keys (from 8 for ``get_stock_price`` to 19,327 for
+``search_flights``; every tool has keys in every bucket) and 7 off-world requests (none in the test bucket),
+so the small splits repeat the requests of the small tools (i.i.d. draws). Measured at the CAST config
+(``data_seed=0``): 0 shared keys, prompts or queries between any two splits (before: 114 of the 300 test
+prompts verbatim among the SFT demonstrations, 2 among the RL prompts, 246 RL prompts among SFT); distinct
+keys: 39,042 in the 112,000 SFT records, 400 in the 640 RL prompts, 220 in the 300 validation and 229 in the
+300 test records.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import random
 import time
 from typing import Any, Mapping, Sequence
 
@@ -31,12 +57,14 @@ import numpy as np
 from absl import logging
 
 from lemon_rl.data import case_library as cl
+from lemon_rl.data import splits as content_splits
 from lemon_rl.data.curriculum import MODES
 from lemon_rl.data.curriculum import CurriculumSampler
 from lemon_rl.data.curriculum import example_hardness
 from lemon_rl.data.pipeline import BatchIterator
 from lemon_rl.data.pipeline import collate
 from lemon_rl.envs import tool_use
+from lemon_rl.envs import tool_world
 from lemon_rl.rewards.base import RewardOutput
 from lemon_rl.rewards.cast import THINK_MODES
 from lemon_rl.rewards.cast import CastReward
@@ -51,8 +79,13 @@ REWARDS = ("cast", "exact")
 CASES_DIR = "cases"
 CASES_FILE = "cases.jsonl"
 PROFILE_FILE = "profile.json"
+SPLITS = ("sft", "train", "validation", "test")
 # Split seeds: split k of data seed s is generated with seed 1000 * s + k (disjoint query ids).
-SPLIT_OFFSETS = {"sft": 1, "train": 2, "test": 3}
+SPLIT_OFFSETS = {"sft": 1, "train": 2, "test": 3, "validation": 4}
+# Content buckets of the request keys (module docstring); the rest of the key space is the SFT bucket.
+BUCKETS = (("test", 0.1), ("validation", 0.1), ("train", 0.1))
+_SALT = b"lemon-tool"
+_MAX_MISSES = 5_000  # Out-of-bucket draws in a row after which a split counts as unfillable.
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -64,23 +97,75 @@ def difficulty_of(example: Mapping[str, Any]) -> str:
   return "easy" if len(example["gold"]) <= 1 and example["num_conversions"] == 0 else "hard"
 
 
-def make_split(cfg, split: str) -> list[dict[str, Any]]:
-  """The records of one split (``sft``, ``train`` or ``test``); a pure function of the task config.
+def _as_list(value: Any) -> list[Any]:
+  return json.loads(value) if isinstance(value, str) else list(value)
 
-  Records: ``id, category, difficulty, num_conversions, prompt, completion`` (the demonstration),
-  ``gold`` and ``functions`` (JSON strings).
+
+def canonical_key(example: Mapping[str, Any]) -> str:
+  """The content key of an example or record: its request as a sorted multiset of canonical calls.
+
+  Reads ``request`` (a list of ``{tool: {param: [values]}}`` or its JSON string; module docstring) and, for
+  an empty request (an off-world query), ``query`` or else the ``Q:`` line of ``prompt``. Examples:
+  ``'convert_currency{"amount":5000,"dst":"jpy","src":"eur"}'`` for "Convert $5k euros to yen." in any
+  wording, category or set of offered tools; two calls are joined by ``" & "`` in sorted order.
   """
-  n = {"sft": cfg.num_sft, "train": cfg.num_train, "test": cfg.num_test}[split]
+  calls = sorted(tool_world.canonical_call(tool, args) for call in _as_list(example["request"])
+                 for tool, args in call.items())
+  if calls:
+    return " & ".join(calls)
+  query = example.get("query")
+  if query is None:
+    query = example["prompt"].rsplit("Q: ", 1)[-1]
+  return "offworld:" + " ".join(query.strip().rstrip(".?!").split()).casefold()
+
+
+def bucket_of(key: str) -> str:
+  """The split whose bucket holds a content key: ``"test"``, ``"validation"``, ``"train"`` or ``"sft"``."""
+  return content_splits.content_bucket(key, _SALT, BUCKETS, "sft")
+
+
+def _fitting_example(rng, category: str, style: str, max_prompt_bytes: int, max_completion_bytes: int):
+  """An example of ``category`` within the byte limits (at most 100 draws, as ``tool_use.generate_examples``)."""
+  for _ in range(100):
+    ex = tool_use.generate_example(rng, category, style)
+    if len(ex["prompt"].encode()) <= max_prompt_bytes and len(ex["demonstration"].encode()) <= max_completion_bytes:
+      return ex
+  raise RuntimeError(f"no {category} example within the byte limits after 100 tries")
+
+
+def make_split(cfg, split: str) -> list[dict[str, Any]]:
+  """The records of one split (``sft``, ``train``, ``validation`` or ``test``); a pure function of the config.
+
+  Record ``i`` draws its category from ``cfg.category_weights``, then examples of that category until one
+  fits ``max_prompt_bytes`` / ``max_completion_bytes`` and its :func:`canonical_key` lies in the split's
+  bucket (:func:`bucket_of`); draws are i.i.d., so a request may repeat within a split, never across splits.
+  Records: ``id, category, difficulty, num_conversions, prompt, completion`` (the demonstration),
+  ``gold``, ``functions`` and ``request`` (JSON strings).
+  """
+  if split not in SPLITS:
+    raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+  n = int({"sft": cfg.num_sft, "train": cfg.num_train, "test": cfg.num_test,
+           "validation": cfg.num_validation}[split])
   weights = {k: float(v) for k, v in dict(cfg.category_weights).items()}
-  examples = tool_use.generate_examples(
-      int(n), seed=1000 * int(cfg.data_seed) + SPLIT_OFFSETS[split], categories=weights, style=cfg.style,
-      max_prompt_bytes=cfg.max_prompt_bytes, max_completion_bytes=cfg.max_completion_bytes)
-  return [{"id": ex["id"], "category": ex["category"], "difficulty": difficulty_of(ex),
-           "num_conversions": int(ex["num_conversions"]), "prompt": ex["prompt"],
-           "completion": ex["demonstration"],
-           "gold": json.dumps(ex["gold"], ensure_ascii=False, separators=(",", ":")),
-           "functions": json.dumps(ex["functions"], ensure_ascii=False, separators=(",", ":"))}
-          for ex in examples]
+  names, probs = list(weights), list(weights.values())
+  seed = 1000 * int(cfg.data_seed) + SPLIT_OFFSETS[split]
+  rng = random.Random(seed)
+  max_prompt, max_completion = int(cfg.max_prompt_bytes), int(cfg.max_completion_bytes)
+  records = []
+  for i in range(n):
+    category = rng.choices(names, probs)[0]
+    draw = functools.partial(_fitting_example, rng, category, cfg.style, max_prompt, max_completion)
+    ex, = content_splits.draw_from_bucket(draw, canonical_key, bucket_of, split, 1, max_misses=_MAX_MISSES,
+                                          what=f"{category} {split} request")
+    records.append({"id": f"tool-s{seed}-{i}", "category": ex["category"], "difficulty": difficulty_of(ex),
+                    "num_conversions": int(ex["num_conversions"]), "prompt": ex["prompt"],
+                    "completion": ex["demonstration"], "gold": _compact_json(ex["gold"]),
+                    "functions": _compact_json(ex["functions"]), "request": _compact_json(ex["request"])})
+  return records
+
+
+def _compact_json(value: Any) -> str:
+  return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -273,7 +358,7 @@ def prepare_rl(task_cfg, train_records: Sequence[Mapping[str, Any]], model, toke
 def check_config(config) -> None:
   """The ``tool_use`` task section (CAST): split sizes, category mix, reward and case-library options."""
   task, rl = config.task, config.rl
-  cc.require_positive(task, "task", "num_sft", "num_train", "num_test", "max_prompt_bytes",
+  cc.require_positive(task, "task", "num_sft", "num_train", "num_validation", "num_test", "max_prompt_bytes",
                       "max_completion_bytes")
   weights = dict(task.category_weights)
   for k, v in weights.items():

@@ -20,6 +20,7 @@ for each other (a forecast can answer "the weather in Paris"), which irrelevance
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 from typing import Any, Callable
 
@@ -262,6 +263,52 @@ def make_call(tool: str, clause: str, args: dict[str, Any], notes: tuple[str, ..
     else:
       gold[name] = ["", spec["default"]] if "default" in spec else [""]
   return Call(tool, clause, dict(args), gold, tuple(notes))
+
+
+def canonical_value(value: Any) -> Any:
+  """A JSON-able normal form of an argument value, equal for every surface form of the same value.
+
+  Numbers: integral values as ``int`` (``250.0 -> 250``), others as ``float`` (``0.05`` stays ``0.05``);
+  booleans stay booleans (never numbers); strings are case-folded with runs of whitespace collapsed
+  (``" New  York" -> "new york"``); dicts recurse; lists are treated as multisets (every list parameter of
+  the world is: repeat days, toppings, numbers to average), so their elements are sorted by their JSON form.
+  """
+  if isinstance(value, bool) or value is None:
+    return value
+  if isinstance(value, (int, float)):
+    x = float(value)
+    return int(x) if x.is_integer() else x
+  if isinstance(value, str):
+    return " ".join(value.split()).casefold()
+  if isinstance(value, dict):
+    return {str(k): canonical_value(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    items = [canonical_value(v) for v in value]
+    return sorted(items, key=lambda v: json.dumps(v, sort_keys=True))
+  raise TypeError(f"cannot normalise a {type(value).__name__}: {value!r}")
+
+
+def canonical_call(tool: str, gold: dict[str, list[Any]]) -> str:
+  """The content key of one requested call, from its BFCL possible answer ``{param: [values]}``.
+
+  The demonstrated value of a parameter is the first acceptable one (:func:`make_call`); a parameter whose
+  first value is ``""`` (may be omitted) or that equals the tool's documented default is dropped, so "the
+  weather in Paris" and "the weather in Paris in Celsius" are one request. Values go through
+  :func:`canonical_value`; the key is ``tool`` + the JSON of the arguments with sorted keys, e.g.
+  ``'get_weather{"city":"paris"}'``.
+  """
+  props = DOCS_BY_NAME[tool]["parameters"]["properties"] if tool in DOCS_BY_NAME else {}
+  args = {}
+  for name, values in gold.items():
+    if not values or (isinstance(values[0], str) and values[0] == ""):
+      continue
+    value = canonical_value(values[0])
+    spec = props.get(name, {})
+    if "default" in spec and value == canonical_value(spec["default"]) and (
+        isinstance(value, bool) == isinstance(spec["default"], bool)):
+      continue
+    args[name] = value
+  return tool + json.dumps(args, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -800,8 +847,15 @@ def signature(doc: dict[str, Any]) -> str:
   ``[lo..hi]``; arrays ``[item]``; dicts ``{key:type,...}``. Descriptions are dropped (the prompt must stay
   short for a byte-level model).
   """
+  cached = _WORLD_SIGNATURES.get(id(doc))
+  if cached is not None and cached[0] is doc:  # A doc of FUNCTION_DOCS (constants): rendered once.
+    return cached[1]
   params = doc.get("parameters", {}) or {}
   props = params.get("properties", {}) or {}
   req = set(params.get("required", []) or [])
   args = ",".join(f"{k}{'' if k in req else '?'}:{_type_sig(v)}" for k, v in props.items())
   return f"{doc.get('name', '?')}({args})"
+
+
+_WORLD_SIGNATURES: dict[int, tuple[dict[str, Any], str]] = {}
+_WORLD_SIGNATURES.update({id(d): (d, signature(d)) for d in FUNCTION_DOCS})
