@@ -199,16 +199,19 @@ def test_fest_math_key_is_invariant_to_commuting_steps():
 
 
 def test_frozenlake_splits_disjoint_by_map():
-  """No config uses FrozenLake yet: representative sizes. The key is the map text (the prompt shows the map
-  once, so there is no other wording of it)."""
+  """Representative sizes. The key is the map text or its transpose's, whichever is smaller (the prompt shows
+  the map once, so there is no other wording of it; the transpose is the same puzzle mirrored)."""
   sizes = {"train": 400, "validation": 64, "test": 64, "validation_8x8": 32, "test_8x8": 32}
   assert set(sizes) == set(fl.SPLITS)
-  keys = {s: [fl.map_text(m) for m in fl.generate_maps(0, n, s)] for s, n in sizes.items()}
+  maps = {s: fl.generate_maps(0, n, s) for s, n in sizes.items()}
+  keys = {s: [fl.canonical_key(m) for m in ms] for s, ms in maps.items()}
   assert_disjoint(keys)
   for split, n in sizes.items():
     assert len(set(keys[split])) == n
-  env = fl.FrozenLakeEnv(fl.as_map(keys["test"][0]))
-  assert keys["test"][0] in env.reset(seed=3)
+  test_map = maps["test"][0]
+  assert fl.map_text(test_map) in fl.FrozenLakeEnv(test_map).reset(seed=3)
+  mirrored = tuple("".join(col) for col in zip(*test_map))
+  assert fl.canonical_key(mirrored) == fl.canonical_key(test_map) and fl.bucket_of(mirrored) == "test"
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -18,9 +18,11 @@ validation_8x8  8       validation  larger maps, model selection
 test_8x8        8       test        larger held-out maps (evaluation)
 ==============  ======  ==========  ==================================================
 
-Splits are disjoint by map CONTENT by construction: a stable hash (BLAKE2b) of the map text gives a score
+Splits are disjoint by map CONTENT by construction: a stable hash (BLAKE2b) of the map's canonical key
+(:func:`canonical_key`: the smaller of the map text and its transpose's, so a board and its mirror image
+across the diagonal, the same puzzle with down/right and up/left swapped, share a split) gives a score
 ``u in [0, 1)``; ``u < test_fraction`` is the test bucket, ``u < test_fraction + validation_fraction`` the
-validation bucket, the rest train. Within a split every map appears once (deduplicated by content). Every
+validation bucket, the rest train. Within a split every map appears once (deduplicated by canonical key). Every
 generator is a pure function of ``(seed, split)`` and ``generate_maps(seed, 64, s)`` is a prefix of
 ``generate_maps(seed, 128, s)``. Several sizes in one split never collide (different text).
 
@@ -149,10 +151,15 @@ def random_map(size: int, frozen_prob: float, rng: np.random.Generator) -> Map:
       return desc
 
 
+def canonical_key(desc: Map) -> str:
+  """The split key of a map: ``min(text(desc), text(transpose(desc)))`` (S and G stay in their corners)."""
+  return min(map_text(desc), map_text(tuple("".join(col) for col in zip(*desc))))
+
+
 def bucket_of(desc: Map, validation_fraction: float = DEFAULT_VALIDATION_FRACTION,
               test_fraction: float = DEFAULT_TEST_FRACTION) -> str:
   """``"test"``, ``"validation"`` or ``"train"``: the content-hash bucket of a map."""
-  return content_bucket(map_text(desc), b"lemon-lake", (("test", test_fraction),
+  return content_bucket(canonical_key(desc), b"lemon-lake", (("test", test_fraction),
                                                         ("validation", validation_fraction)), "train")
 
 
@@ -186,7 +193,7 @@ def generate_maps(seed: int, num: int, split: str, *, sizes: Sequence[int] | Non
               "train": 1.0 - test_fraction - validation_fraction}[bucket]
   rng = np.random.default_rng([int(seed), SPLITS.index(split)])
   out: list[Map] = []
-  seen: set[Map] = set()
+  seen: set[str] = set()  # Canonical keys: a map's mirror image counts as the same map.
   max_misses = int(1000 / fraction)  # Rejections in a row before giving up (pool nearly exhausted).
   misses = 0
   while len(out) < num:
@@ -194,11 +201,12 @@ def generate_maps(seed: int, num: int, split: str, *, sizes: Sequence[int] | Non
       raise ValueError(f"could not draw {num} distinct {split!r} maps of sizes {sizes} (got {len(out)}); "
                        "lower num or change sizes")
     desc = random_map(int(rng.choice(sizes)), frozen_prob, rng)
-    if desc in seen or bucket_of(desc, validation_fraction, test_fraction) != bucket:
+    key = canonical_key(desc)
+    if key in seen or bucket_of(desc, validation_fraction, test_fraction) != bucket:
       misses += 1
       continue
     misses = 0
-    seen.add(desc)
+    seen.add(key)
     out.append(desc)
   return out
 

@@ -11,6 +11,9 @@ Registries (config validation reads their ``names()``):
 :mod:`lemon_rl.losses.value` holds PPO's critic pieces: :func:`gae`, :func:`clipped_value_loss`,
 :func:`explained_variance`, :func:`whiten_advantages` and the token/turn mapping of multi-turn batches.
 
+:mod:`lemon_rl.losses.counterfactual` holds LEMON's span-local :func:`counterfactual_loss`, the total
+:func:`combined_loss` (``L_GRPO + mu L_cf``) and the :class:`EditFamilySampler`.
+
 :class:`SurrogateSettings` (``lemon_rl.losses.surrogate``) holds the clipped-surrogate fields of the trainers'
 losses. The registry class itself lives in :mod:`lemon_rl.utils.registry`.
 """
@@ -23,6 +26,11 @@ from lemon_rl.losses.advantages import grpo
 from lemon_rl.losses.advantages import reinforce_pp_baseline
 from lemon_rl.losses.advantages import rloo
 from lemon_rl.losses.advantages import step_discounted_returns
+from lemon_rl.losses.counterfactual import combined_loss
+from lemon_rl.losses.counterfactual import counterfactual_loss
+from lemon_rl.losses.counterfactual import EDIT_FAMILIES
+from lemon_rl.losses.counterfactual import EditFamilySampler
+from lemon_rl.losses.counterfactual import floored_proportional
 from lemon_rl.losses.fest import adaptive_beta
 from lemon_rl.losses.fest import decaying_weight
 from lemon_rl.losses.fest import fest_dpo_loss
