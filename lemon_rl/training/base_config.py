@@ -69,6 +69,14 @@ def get_base_config() -> config_dict.ConfigDict:
   c.rl.weight_decay = 0.0
   c.rl.max_grad_norm = 1.0
   c.rl.eval_every = 25
+  # Updates only on batches with signal (lemon_rl.training.rollout). skip_zero_signal: a step whose every
+  # advantage is 0 (no group has reward variance) makes no optimizer update (params, Adam moments and the
+  # schedule stay as they are; needs kl_coef = entropy_coef = 0). dynamic_sampling (DAPO): drop the groups
+  # whose rewards are all equal and refill the batch with further prompts from the data iterator, at most
+  # dynamic_sampling_max_rounds extra batches a step; still short, the step trains on the groups it has.
+  c.rl.skip_zero_signal = False
+  c.rl.dynamic_sampling = False
+  c.rl.dynamic_sampling_max_rounds = 3
 
   c.eval = config_dict.ConfigDict()
   c.eval.num_examples = 500  # Held-out problems scored greedily.

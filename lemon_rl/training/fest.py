@@ -181,6 +181,11 @@ def check_config(config) -> None:
   for field in ("kl_coef", "entropy_coef"):
     cc.require(not rl[field], f"rl.{field}", rl[field], "FEST's L_I is GRPO without KL or entropy terms: use 0")
   cc.require(not rl.use_tis, "rl.use_tis", rl.use_tis, "not supported by the FEST trainer: use False")
+  cc.require(not rl.dynamic_sampling, "rl.dynamic_sampling", rl.dynamic_sampling,
+             "not supported by the FEST trainer (its step batch has a fixed two-stream layout): use False")
+  cc.require(not (rl.skip_zero_signal and fest.c), "rl.skip_zero_signal", rl.skip_zero_signal,
+             f"with fest.c={fest.c}: the expert term has a gradient on every batch, so no step would ever be "
+             "skipped; use False (or fest.c=0)")
 
 
 def aggregation_denominator(mask: np.ndarray, aggregation: str, max_len: int | None = None) -> float:
@@ -309,6 +314,16 @@ class FestTrainer:
     if ref_params is None:
       raise ValueError("FEST needs the frozen reference policy (ref_params)")
     self.ref_params = ref_params
+    self.zero_signal_skips = 0  # Steps whose update was skipped (rl.skip_zero_signal).
+
+  @property
+  def signal_without_variance(self) -> bool:
+    """Whether the loss has a gradient when every rollout advantage is 0: the expert term (``c > 0``) has.
+
+    So ``rl.skip_zero_signal`` skips a FEST step only with ``c = 0`` and no group of either stream varying
+    (with ``fest_dpo`` the ``D_E`` rollouts then do not enter the loss: such a step is not skipped though
+    its gradient is 0, the conservative side)."""
+    return self.loss.c > 0
 
   # -- sampling and scoring ---------------------------------------------------------------------------
 

@@ -83,12 +83,19 @@ class Phase:
 
 
 def policy_phase(ctx: PhaseContext, state: state_lib.TrainState, iterator, trainer, steps: int, eval_every: int,
-                 progress_keys: tuple[str, ...]) -> Phase:
+                 progress_keys: tuple[str, ...], refill: bool = False) -> Phase:
   """A phase that trains the policy with ``trainer.step(state, examples) -> (state, metrics, extra)``: it is
-  evaluated with the task's held-out evaluation and hands its parameters to the next phase."""
+  evaluated with the task's held-out evaluation and hands its parameters to the next phase. With ``refill``
+  the step may draw more examples from ``iterator`` (``trainer.step(state, examples, refill)``, e.g. dynamic
+  sampling); the runner checkpoints the iterator's position after the step, so a resume continues after
+  every batch a step drew."""
+
+  def draw():  # The iterator's next batch as example dicts, as the runner passes them to `step`.
+    batch = next(iterator)
+    return [dict(zip(batch, values)) for values in zip(*batch.values())]
 
   def step(state, examples):
-    state, metrics, _ = trainer.step(state, examples)
+    state, metrics, _ = trainer.step(state, examples, draw) if refill else trainer.step(state, examples)
     return state, metrics
 
   return Phase(state, iterator, step, steps, eval_every, progress_keys,
@@ -160,8 +167,16 @@ def expert_sft_phase(ctx: PhaseContext) -> Phase:
   return _sft_phase(ctx, ctx.config.expert_sft, ctx.task.expert_source, ctx.task.max_new_tokens, None, 2)
 
 
+def continued_sft_phase(ctx: PhaseContext) -> Phase:
+  """More SFT on the task's demonstrations (``config.continued_sft``) from the previous phase's policy: the
+  control that spends an RL phase's compute on SFT instead (its data order restarts at ``config.seed``'s)."""
+  section = ctx.config.continued_sft
+  return _sft_phase(ctx, section, ctx.task.sft_source, ctx.task.max_completion_len, section.microbatch_size, 3)
+
+
 PHASES.register("sft", PhaseKind(sft_phase, _check_sft_section("sft")))
 PHASES.register("expert_sft", PhaseKind(expert_sft_phase, _check_sft_section("expert_sft")))
+PHASES.register("continued_sft", PhaseKind(continued_sft_phase, _check_sft_section("continued_sft")))
 
 
 # -- RL ------------------------------------------------------------------------------------------------------
@@ -237,7 +252,7 @@ def rl_phase(ctx: PhaseContext) -> Phase:
   graphdef, state = state_lib.create_train_state(ctx.model, optimizer, ctx.config.seed + 1)
   trainer, iterator = RL_ALGORITHMS.get(rl.algorithm)(ctx, graphdef, optimizer)
   return policy_phase(ctx, state, iterator, trainer, rl.steps, rl.eval_every,
-                      ("reward/total/mean", "train/clip_frac", "eval/accuracy"))
+                      ("reward/total/mean", "train/clip_frac", "eval/accuracy"), refill=rl.dynamic_sampling)
 
 
 def check_rl_config(config) -> None:

@@ -5,13 +5,16 @@ advantages) -> ``num_iterations`` passes of minibatch updates, each with exact g
 micro-batches, under the clipped surrogate of :mod:`lemon_rl.losses.policy_gradient` (optionally a KL to a
 frozen reference, an entropy bonus and truncated importance sampling against the sampler's log-probs). The
 learner scores tokens under the sampling distribution (temperature, top-k, top-p) the rollouts came from.
+With ``rl.dynamic_sampling`` the rollout drops groups without reward variance and refills the batch
+(:func:`lemon_rl.training.rollout.collect_dynamic_rollout`); with ``rl.skip_zero_signal`` a batch without
+signal makes no optimizer update (:func:`lemon_rl.training.rollout.rollout_and_update`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +61,10 @@ class PolicyLoss(SurrogateSettings):
           "top-p set misses a sampled token; use top_k=0 and top_p=1.0 with a KL penalty")
 
   def __call__(self, model: nnx.Module, batch: Mapping[str, jax.Array]):
-    logits = model(batch["ids"], batch["attention_mask"])[:, :-1]
+    return self.loss_from_logits(model(batch["ids"], batch["attention_mask"])[:, :-1], batch)
+
+  def loss_from_logits(self, logits: jax.Array, batch: Mapping[str, jax.Array]):
+    """The loss from next-token ``logits [N, T-1, V]`` (for losses that also read the hidden states)."""
     logp = self.sampling.token_log_probs(logits, batch["ids"][:, 1:])
     entropy = rollout_lib.entropy_of(logits, self.sampling)
     if not self.entropy_coef:
@@ -109,6 +115,22 @@ def check_config(config) -> None:
              f"must divide rl.prompts_per_step * rl.num_generations = {rows}")
   cc.require(minibatch % rl.microbatch_size == 0, "rl.microbatch_size", rl.microbatch_size,
              f"must divide the minibatch size {minibatch}")
+  check_zero_signal_options(rl)
+
+
+def check_zero_signal_options(rl) -> None:
+  """``rl.skip_zero_signal``, ``rl.dynamic_sampling`` (booleans) and ``rl.dynamic_sampling_max_rounds``."""
+  for field in ("skip_zero_signal", "dynamic_sampling"):
+    cc.require(isinstance(rl[field], bool), f"rl.{field}", rl[field], "must be True or False")
+  rounds = rl.dynamic_sampling_max_rounds
+  cc.require(isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 0,
+             "rl.dynamic_sampling_max_rounds", rounds, "must be an integer >= 0 (extra sampling rounds a step "
+             "may draw to refill the batch)")
+  if rl.skip_zero_signal:
+    for field in ("kl_coef", "entropy_coef"):
+      cc.require(not rl[field], f"rl.{field}", rl[field],
+                 "with rl.skip_zero_signal=True: this term has a gradient on every batch, so no step would ever "
+                 "be skipped; use 0 or rl.skip_zero_signal=False")
 
 
 class RLTrainer:
@@ -127,12 +149,30 @@ class RLTrainer:
     if cfg.kl_coef and ref_params is None:
       raise ValueError("rl.kl_coef > 0 needs a frozen reference model (ref_params)")
     self.ref_params = ref_params if cfg.kl_coef else None
+    self.zero_signal_skips = 0  # Steps whose update was skipped (rl.skip_zero_signal).
 
-  def rollout(self, state: TrainState, examples: Sequence[Mapping[str, Any]]) -> Rollout:
-    """:func:`~lemon_rl.training.rollout.collect_rollout`, plus old / reference log-probs where needed."""
+  @property
+  def signal_without_variance(self) -> bool:
+    """Whether the loss has a gradient when every advantage is 0 (a KL or entropy term)."""
+    return bool(self.cfg.kl_coef or self.cfg.entropy_coef)
+
+  def rollout(self, state: TrainState, examples: Sequence[Mapping[str, Any]],
+              refill: Callable[[], Sequence[Mapping[str, Any]]] | None = None) -> Rollout:
+    """:func:`~lemon_rl.training.rollout.collect_rollout` (with ``rl.dynamic_sampling``
+    :func:`~lemon_rl.training.rollout.collect_dynamic_rollout`, refilling from ``refill()``), plus old /
+    reference log-probs where needed."""
     cfg = self.cfg
-    rollout = rollout_lib.collect_rollout(self.graphdef, state.params, self.tokenizer, examples, self.rewards,
-                                          cfg, state_lib.step_key(state, 0), prompt_len=self.prompt_len)
+    key = state_lib.step_key(state, 0)
+    if cfg.get("dynamic_sampling", False):
+      if refill is None:
+        raise ValueError("rl.dynamic_sampling=True needs a refill source: pass refill (the phase's data "
+                         "iterator) to RLTrainer.step")
+      rollout = rollout_lib.collect_dynamic_rollout(
+          self.graphdef, state.params, self.tokenizer, examples, self.rewards, cfg, key, refill,
+          max_rounds=cfg.dynamic_sampling_max_rounds, prompt_len=self.prompt_len)
+    else:
+      rollout = rollout_lib.collect_rollout(self.graphdef, state.params, self.tokenizer, examples, self.rewards,
+                                            cfg, key, prompt_len=self.prompt_len)
     batch = rollout.batch
     t0 = time.perf_counter()
     ids, attn = jnp.asarray(batch["ids"]), jnp.asarray(batch["attention_mask"])
@@ -170,6 +210,9 @@ class RLTrainer:
         collected.append(values)
     return state, rollout_lib.reduce_update_metrics(collected)
 
-  def step(self, state: TrainState, examples: Sequence[Mapping[str, Any]]):
-    """One RL step (rollout + updates); ``state.step`` advances by the number of optimizer updates."""
-    return rollout_lib.rollout_and_update(self, state, examples, lambda r: float(r.batch["loss_mask"].sum()))
+  def step(self, state: TrainState, examples: Sequence[Mapping[str, Any]],
+           refill: Callable[[], Sequence[Mapping[str, Any]]] | None = None):
+    """One RL step (rollout + updates); ``state.step`` advances by the number of optimizer updates (by 1 for
+    a step skipped for lack of signal). ``refill()`` draws more examples (``rl.dynamic_sampling``)."""
+    return rollout_lib.rollout_and_update(self, state, examples, lambda r: float(r.batch["loss_mask"].sum()),
+                                          refill)
