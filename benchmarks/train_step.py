@@ -49,18 +49,9 @@ from __future__ import annotations
 import os
 import sys
 
-MALLOC_TUNABLES = "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967295"
-
-
-def _reexec_with_malloc_tuning() -> None:
-  if "--default-malloc" in sys.argv or "GLIBC_TUNABLES" in os.environ:
-    return
-  env = dict(os.environ, GLIBC_TUNABLES=MALLOC_TUNABLES)
-  os.execve(sys.executable, [sys.executable, *sys.argv], env)
-
-
 if __name__ == "__main__":
-  _reexec_with_malloc_tuning()
+  from lemon_rl.utils.allocator import reexec_with_malloc_tuning  # pylint: disable=g-import-not-at-top
+  reexec_with_malloc_tuning("--default-malloc")
   from cpus import restrict_cpus_from_argv  # pylint: disable=g-import-not-at-top
   restrict_cpus_from_argv()
 

@@ -5,6 +5,8 @@ r"""Launches an experiment from a config file.
 
 Every field of the config can be overridden with ``--config.a.b=value``; an unknown key or an invalid
 value fails before anything is compiled, naming the field. Re-running on the same ``--workdir`` resumes.
+The launcher re-executes itself with glibc malloc settings that keep XLA's per-step scratch memory in the
+process (``lemon_rl.utils.allocator``); ``--default_malloc`` keeps the system's defaults.
 Outputs in ``--workdir``: ``metrics.jsonl``, TensorBoard files under ``tb/``, ``checkpoints/``,
 ``curves.png``, ``summary.txt`` / ``summary.json``.
 """
@@ -39,4 +41,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  from lemon_rl.utils.allocator import reexec_with_malloc_tuning  # pylint: disable=g-import-not-at-top
+  reexec_with_malloc_tuning()
   app.run(main)
