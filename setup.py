@@ -23,6 +23,7 @@ setup(
         "scipy>=1.17",
         "safetensors>=0.8.0",
         "tokenizers>=0.23",
+        "pyyaml>=6.0",  # LEMON orchestration specs (lemon_rl/envs/orchestration); also a dependency of flax.
         "tqdm>=4.70",
         "tensorboardX>=2.6",
         "matplotlib>=3.10",
