@@ -14,6 +14,9 @@ Registries (config validation reads their ``names()``):
 :mod:`lemon_rl.losses.counterfactual` holds LEMON's span-local :func:`counterfactual_loss`, the total
 :func:`combined_loss` (``L_GRPO + mu L_cf``) and the :class:`EditFamilySampler`.
 
+:mod:`lemon_rl.losses.ppow` holds PPOW's window-level drafter objective (:func:`accepted_length`,
+:func:`window_rewards`, :func:`window_advantages`, :func:`ppow_loss`) and ADAW window sampling.
+
 :class:`SurrogateSettings` (``lemon_rl.losses.surrogate``) holds the clipped-surrogate fields of the trainers'
 losses. The registry class itself lives in :mod:`lemon_rl.utils.registry`.
 """
@@ -60,6 +63,21 @@ from lemon_rl.losses.policy_gradient import seq_mean_token_mean
 from lemon_rl.losses.policy_gradient import seq_mean_token_sum
 from lemon_rl.losses.policy_gradient import seq_mean_token_sum_norm
 from lemon_rl.losses.policy_gradient import token_mean
+from lemon_rl.losses.ppow import Acceptance
+from lemon_rl.losses.ppow import accepted_length
+from lemon_rl.losses.ppow import adaw_probabilities
+from lemon_rl.losses.ppow import adaw_sample
+from lemon_rl.losses.ppow import criticality
+from lemon_rl.losses.ppow import exact_kl
+from lemon_rl.losses.ppow import measured_cost_ratio
+from lemon_rl.losses.ppow import ppow_loss
+from lemon_rl.losses.ppow import sliding_window_scores
+from lemon_rl.losses.ppow import speedup_reward
+from lemon_rl.losses.ppow import window_advantages
+from lemon_rl.losses.ppow import window_metrics
+from lemon_rl.losses.ppow import window_rewards
+from lemon_rl.losses.ppow import window_scores
+from lemon_rl.losses.ppow import WindowRewards
 from lemon_rl.losses.surrogate import SurrogateSettings
 from lemon_rl.losses.surrogate import surrogate_fields_from_config
 from lemon_rl.losses.value import clipped_value_loss
