@@ -163,3 +163,18 @@ def tool_use_task(cfg, data_dir: str) -> Task:
       prompt_len=1 + int(cfg.max_prompt_bytes),  # BOS + the longest prompt (one compiled shape, no pow2 slack).
       prepare_rl=functools.partial(tut.prepare_rl, cfg, train),
   )
+
+
+@TASK_CONFIG_CHECKS.register("frozenlake")
+def check_frozenlake_config(config) -> None:
+  from lemon_rl.envs import frozenlake_task as flt  # pylint: disable=g-import-not-at-top
+  flt.check_config(config)
+
+
+@TASKS.register("frozenlake")
+def frozenlake_task(cfg, data_dir: str) -> Task:
+  """Text FrozenLake for the multi-turn phases (``lemon_rl.envs.frozenlake_task``), in memory; ``data_dir`` is
+  unused."""
+  del data_dir
+  from lemon_rl.envs import frozenlake_task as flt  # pylint: disable=g-import-not-at-top
+  return flt.build_task(cfg)

@@ -1,0 +1,314 @@
+r"""BudgetMix on text FrozenLake over seeds: base (SFT), full-budget and BudgetMix GRPO / GiGPO (PPO optional).
+
+    python -m experiments.reproduce_budgetmix --workdir=runs/budgetmix --seeds=0,1,2,3,4 \
+        [--arms=base,grpo_full,grpo_budgetmix,gigpo_full,gigpo_budgetmix] \
+        [--config=configs/budgetmix_frozenlake.py:cpu --config.multiturn_rl.steps=...]
+
+Per seed (``<workdir>/seed_<s>/<arm>``, every run resumable; a finished arm's evaluation is re-read from its
+``final_eval.json``):
+
+1. ``base``: the config with ``multiturn_rl.steps = 0``: multi-turn SFT, then the step-0 headroom gate on
+   validation maps (:func:`headroom_report`: the base policy's Pass@K at every budget fraction, prompted, against
+   ``config.headroom.thresholds``). A failed gate stops the whole run with a message naming every failed
+   statistic (the results file records it), before any RL is spent.
+2. every RL arm (``<estimator>_<budget_mode>``) copies the base run's ``checkpoints/multiturn_sft`` (the shared
+   SFT of the seed; the runner then skips SFT) and runs ``multiturn_rl`` with that estimator and budget mode.
+3. every arm (base included) is evaluated on the test maps of ``config.final_eval.splits`` (``test``: 4-6,
+   ``test_8x8``) with :func:`lemon_rl.eval.budget_eval.evaluate_budgets`: Pass@1..K at 25/50/75/100% of
+   ``T_max`` in the prompted and truncated modes, step quality against ``Q*``, recovery from an injected error at
+   ``final_eval.recovery_fraction``. Once all arms of a seed are done, step quality is also summarised on the
+   ``(map, state, remaining turns)`` keys every arm visited (matched states).
+
+The results go to ``experiments/results/budgetmix/results.json`` (committed) after every arm, and
+``experiments/RESULTS.md`` is regenerated (section :mod:`experiments.reports.budgetmix`).
+
+Sizing loop: ``--headroom_only --arms=base --seeds=0 [--config.multiturn_sft.steps=...]`` runs only the base SFT
+and the gate and prints its statistics. Pilot (2026-12-01, this 2-core CPU while another experiment kept it at a
+load of ~10, ``nice -n 15``; ``tiny`` model preset d128 / 2 layers, the ``cpu`` config with 120 SFT steps of 16
+demonstrations out of 1000, gate on 24 validation maps x 8 samples, engine context 1536): SFT 2.7 CPU-s a step
+(5.4 CPU-min, 830 s wall), success rate after SFT 0.22 at the full budget and 0.06 at 25% (16 validation maps x
+2 episodes); the base policy's Pass@8 (prompted) 0.125 / 0.625 / 0.708 / 0.708 at 25 / 50 / 75 / 100% of T_max,
+every value inside the gate's [0.05, 0.95]; the gate's evaluation (4 runs of 192 episodes) 3.6 CPU-min. RL steps
+were not timed (the pilot's CPU budget). The ``cpu`` config keeps that SFT.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import platform
+import resource
+import shlex
+import shutil
+import sys
+import time
+from typing import Any, Mapping, Sequence
+
+from absl import app
+from absl import flags
+import numpy as np
+from ml_collections import config_flags
+
+from experiments import results_md
+from experiments.reports import budgetmix as report
+from lemon_rl.envs import frozenlake_task as flt
+from lemon_rl.eval import budget_eval
+from lemon_rl.eval.headroom import check_headroom, HeadroomReport
+from lemon_rl.training import experiment
+from lemon_rl.training import multiturn_phases
+from lemon_rl.training.metrics import read_records
+
+config_flags.DEFINE_config_file("config", "configs/budgetmix_frozenlake.py:cpu",
+                                "The experiment config (every arm's; --config.a.b=value overrides).")
+flags.DEFINE_string("workdir", None, "Root directory; one sub-directory per seed and arm (resumable).")
+flags.DEFINE_string("seeds", "0,1,2,3,4", "Comma-separated seeds.")
+flags.DEFINE_string("arms", "base,grpo_full,grpo_budgetmix,gigpo_full,gigpo_budgetmix",
+                    "Comma-separated arms: base first, then <grpo|gigpo|ppo>_<full|budgetmix>.")
+flags.DEFINE_string("results_file", report.RESULTS_FILE, "Where the results JSON goes (relative to the repo).")
+flags.DEFINE_float("family_alpha", 0.05, "Familywise error rate of the claimed directions (Holm).")
+flags.DEFINE_bool("headroom_only", False, "Sizing loop: per seed only the base SFT and the headroom gate (no test "
+                  "evaluation, no RL); prints the gate's statistics and writes no results file.")
+flags.mark_flag_as_required("workdir")
+FLAGS = flags.FLAGS
+
+
+# -- arms ----------------------------------------------------------------------------------------------------
+
+
+def arm_config(config, arm: str, seed: int):
+  """The config of ``arm`` (``base`` or ``<estimator>_<budget_mode>``) for ``seed``."""
+  c = copy.deepcopy(config)
+  c.seed = int(seed)
+  if arm == "base":
+    c.multiturn_rl.steps = 0
+    return c
+  estimator, _, mode = arm.partition("_")
+  if estimator not in report.ESTIMATORS or mode not in ("full", "budgetmix"):
+    raise ValueError(f"unknown arm {arm!r}; expected base or <grpo|gigpo|ppo>_<full|budgetmix>")
+  c.multiturn_rl.estimator, c.multiturn_rl.budget_mode = estimator, mode
+  return c
+
+
+# -- evaluation records (JSON) -------------------------------------------------------------------------------
+
+
+def _num(x: float) -> float | None:
+  return None if x is None or math.isnan(float(x)) else float(x)
+
+
+def evaluation_record(result: budget_eval.BudgetEvalResult) -> dict[str, Any]:
+  """A :class:`~lemon_rl.eval.budget_eval.BudgetEvalResult` as JSON: Pass@1..K per mode and budget (mean over
+  maps), step quality per run, recovery, and the full run's turns and status shares."""
+  s = result.surface
+  statuses = [e.status.value for row in result.full.episodes for e in row]
+  out = {
+      "num_maps": int(s.budgets.shape[0]), "num_samples": int(result.full.success.shape[1]),
+      "pass": {m: {str(multiturn_phases.pct(f)): [float(v) for v in s.mean[i, j]] for j, f in enumerate(s.fractions)}
+               for i, m in enumerate(s.modes)},
+      "quality": {name: {k: _num(v) for k, v in q._asdict().items()} for name, q in result.quality.items()},
+      "full_turns_mean": float(result.full.turns.mean()),
+      "full_status": {v: statuses.count(v) / len(statuses) for v in sorted(set(statuses))},
+  }
+  if result.recovery is not None:
+    r = result.recovery
+    out["recovery"] = {"recovery": _num(r.recovery), "clean": _num(r.clean), "ratio": _num(r.ratio),
+                       "num_maps": r.num_maps, "num_excluded_episodes": r.num_excluded_episodes}
+  return out
+
+
+def final_settings(config) -> budget_eval.BudgetEvalSettings:
+  f = config.final_eval
+  return multiturn_phases.eval_settings(config, num_samples=f.num_samples, max_k=f.max_k, fractions=f.fractions,
+                                        temperature=f.temperature, seed=f.seed,
+                                        recovery_fraction=f.recovery_fraction)
+
+
+def split_maps(task, split: str):
+  return [flt.record_map(r) for r in task.test_examples if r["split"] == split]
+
+
+def final_evaluation(model, task, config, workdir: str) -> dict[str, Any]:
+  """Every test split's :func:`evaluation_record`; the full runs' step tables go to ``<workdir>/steps_<split>.npz``
+  (for the matched-state summary)."""
+  settings = final_settings(config)
+  out = {}
+  for split in config.final_eval.splits:
+    result = budget_eval.evaluate_budgets(model, task.tokenizer, split_maps(task, split), settings)
+    out[split] = evaluation_record(result)
+    np.savez(os.path.join(workdir, f"steps_{split}.npz"), **result.full.steps()._asdict())
+  return out
+
+
+def headroom_statistics(model, task, config) -> dict[str, float]:
+  """The base policy's Pass@K (``config.headroom.max_k``) per budget fraction on validation maps (prompted), and
+  the share of maps whose samples disagree at that budget (groups with signal for a group-relative method)."""
+  h = config.headroom
+  maps = [flt.record_map(r) for r in task.validation_examples[:h.num_maps]]
+  settings = multiturn_phases.eval_settings(config, num_samples=h.num_samples, max_k=h.max_k, fractions=h.fractions,
+                                            temperature=config.final_eval.temperature, seed=h.seed)
+  result = budget_eval.evaluate_budgets(model, task.tokenizer, maps, settings)
+  stats = {}
+  for f in settings.fractions:
+    stats[f"pass_at_{h.max_k}_{multiturn_phases.pct(f)}"] = result.surface.value("prompted", f, h.max_k)
+  for f in settings.fractions:
+    success = result.prompted[f].success
+    stats[f"signal_share_{multiturn_phases.pct(f)}"] = float(np.mean(success.any(1) & ~success.all(1)))
+  return stats
+
+
+def headroom_report(model, task, config) -> HeadroomReport:
+  """:func:`headroom_statistics` against ``config.headroom.thresholds`` (no exception: the caller decides)."""
+  return check_headroom(headroom_statistics(model, task, config), dict(config.headroom.thresholds),
+                        raise_on_failure=False)
+
+
+def matched_quality(arm_dirs: Mapping[str, str], split: str) -> dict[str, dict[str, Any]]:
+  """Step quality of each arm on the ``(map, state, h)`` keys that every arm's full-budget run visited."""
+  tables = {}
+  for arm, d in arm_dirs.items():
+    with np.load(os.path.join(d, f"steps_{split}.npz")) as z:
+      tables[arm] = budget_eval.StepTable(**{k: z[k] for k in z.files})
+  keys = budget_eval.matched_keys(*tables.values())
+  return {arm: {k: _num(v) for k, v in budget_eval.summarize_steps(t, keys)._asdict().items()}
+          for arm, t in tables.items()}
+
+
+# -- running -------------------------------------------------------------------------------------------------
+
+
+def cpu_model() -> str:
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or "unknown CPU"
+
+
+class GateFailed(Exception):
+  pass
+
+
+def run_arm(config, workdir: str, gate: bool, headroom_only: bool = False) -> dict[str, Any]:
+  """Runs (or resumes) an arm and evaluates it; re-reads ``final_eval.json`` of a finished one. With ``gate`` the
+  headroom gate runs first (a failure returns ``{"headroom", "stopped"}``); ``headroom_only`` stops after it."""
+  path = os.path.join(workdir, "final_eval.json")
+  if os.path.exists(path) and not headroom_only:
+    with open(path) as f:
+      return json.load(f)
+  usage0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.time()
+  record: dict[str, Any] = {}
+
+  def final_eval(model, task):
+    if gate:
+      h = headroom_report(model, task, config)
+      record["headroom"] = h.to_dict()
+      print("headroom gate:", "; ".join(str(c) for c in h.checks), flush=True)
+      if not h.passed:
+        raise GateFailed("step-0 headroom gate failed: " + "; ".join(str(c) for c in h.failures))
+    if headroom_only:
+      return {}
+    t = time.time()
+    out = final_evaluation(model, task, config, workdir)
+    record["final_eval_s"] = time.time() - t
+    return out
+
+  try:
+    summary = experiment.run(config, workdir, final_eval=final_eval)
+  except GateFailed as e:
+    record["stopped"] = f"{e}. Resize the task (config.task, multiturn_sft.steps) so that the base policy leaves " \
+                        "headroom at every budget, then rerun."
+    return record
+  usage1 = resource.getrusage(resource.RUSAGE_SELF)
+  if headroom_only:
+    return dict(record, wall_s=time.time() - t0, user_s=usage1.ru_utime - usage0.ru_utime,
+                phase_wall_s=summary["wall_time_s"])
+  records = read_records(os.path.join(workdir, "metrics.jsonl"))
+  record.update({
+      "final": summary["final_eval"],
+      "evals": [{k: r[k] for k in r if k == "phase" or k == "step" or k.startswith("success_") or k == "accuracy"}
+                for r in records if r["phase"].startswith("eval_")],
+      "train": [{k: r.get(k) for k in ("step", "episode/success_rate", "episode/reward_mean", "budget/mean",
+                                         "episode/turns_mean")} for r in records if r["phase"] == "multiturn_rl"],
+      "wall_s": time.time() - t0, "user_s": usage1.ru_utime - usage0.ru_utime,
+      "system_s": usage1.ru_stime - usage0.ru_stime, "phase_wall_s": summary["wall_time_s"]})
+  with open(path, "w") as f:
+    json.dump(record, f, indent=1)
+  return record
+
+
+def setup_record(config, arms: Sequence[str]) -> dict[str, Any]:
+  task_cfg, f, rl = config.task, config.final_eval, config.multiturn_rl
+  maps = flt.split_maps(task_cfg)
+  return {"num_sft": task_cfg.num_sft, "num_train_maps": task_cfg.num_train, "sizes": list(task_cfg.sizes),
+          "sft_steps": config.multiturn_sft.steps, "sft_batch": config.multiturn_sft.batch_size,
+          "rl_steps": rl.steps, "maps_per_step": rl.maps_per_step, "group_size": rl.group_size,
+          "learning_rate": rl.learning_rate, "model": dict(config.model.overrides), "splits": list(f.splits),
+          "num_maps": {s: len(maps[s]) for s in f.splits}, "num_samples": f.num_samples, "max_k": f.max_k,
+          "fractions": list(f.fractions), "recovery_fraction": f.recovery_fraction, "temperature": f.temperature,
+          "arms": list(arms)}
+
+
+def save(saved: Mapping[str, Any]) -> None:
+  path = os.path.join(results_md.ROOT, FLAGS.results_file)
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(saved, f, indent=1)
+
+
+def main(argv):
+  del argv
+  config = FLAGS.config
+  seeds = [int(s) for s in FLAGS.seeds.split(",")]
+  arms = [a for a in FLAGS.arms.split(",") if a]
+  if not arms or arms[0] != "base":
+    raise app.UsageError("--arms must start with base (the shared SFT and the headroom gate)")
+  for arm in arms:
+    arm_config(config, arm, 0)  # Validates the names before anything runs.
+  saved = {"command": "python -m experiments.reproduce_budgetmix " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+           "machine": f"{cpu_model()}, {os.cpu_count()} CPUs", "family_alpha": FLAGS.family_alpha,
+           "setup": setup_record(config, arms), "arms": arms, "seeds": []}
+  for seed in seeds:
+    root = os.path.join(FLAGS.workdir, f"seed_{seed}")
+    entry = {"seed": seed, "arms": {}}
+    saved["seeds"].append(entry)
+    dirs = {}
+    for arm in arms:
+      dirs[arm] = os.path.join(root, arm)
+      if arm != "base":
+        sft = os.path.join(dirs[arm], "checkpoints", "multiturn_sft")
+        if not os.path.exists(sft):
+          shutil.copytree(os.path.join(dirs["base"], "checkpoints", "multiturn_sft"), sft)
+      record = run_arm(arm_config(config, arm, seed), dirs[arm], gate=arm == "base",
+                       headroom_only=FLAGS.headroom_only)
+      if "headroom" in record:
+        entry["headroom"] = record.pop("headroom")
+      if FLAGS.headroom_only:
+        print(f"seed {seed}:", json.dumps({**entry["headroom"]["statistics"], "passed": entry["headroom"]["passed"],
+                                           **{k: record.get(k) for k in ("wall_s", "user_s", "phase_wall_s")}}))
+        break
+      if "stopped" in record:
+        saved["stopped"] = f"seed {seed}: {record['stopped']}"
+        save(saved)
+        sys.exit(saved["stopped"])
+      entry["arms"][arm] = record
+      save(saved)
+    if FLAGS.headroom_only:
+      continue
+    for split in config.final_eval.splits:
+      for arm, q in matched_quality(dirs, split).items():
+        entry["arms"][arm]["final"][split]["matched_quality"] = {"full": q}
+    save(saved)
+  if FLAGS.headroom_only:
+    return
+  if FLAGS.results_file == report.RESULTS_FILE:
+    results_md.main([])
+  print(report.render(saved))
+
+
+if __name__ == "__main__":
+  app.run(main)
