@@ -38,7 +38,6 @@ import copy
 import json
 import math
 import os
-import platform
 import resource
 import shlex
 import shutil
@@ -51,6 +50,7 @@ from absl import flags
 import numpy as np
 from ml_collections import config_flags
 
+from experiments import machine
 from experiments import results_md
 from experiments.reports import budgetmix as report
 from lemon_rl.envs import frozenlake_task as flt
@@ -178,17 +178,6 @@ def matched_quality(arm_dirs: Mapping[str, str], split: str) -> dict[str, dict[s
 # -- running -------------------------------------------------------------------------------------------------
 
 
-def cpu_model() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or "unknown CPU"
-
-
 class GateFailed(Exception):
   pass
 
@@ -270,7 +259,7 @@ def main(argv):
   for arm in arms:
     arm_config(config, arm, 0)  # Validates the names before anything runs.
   saved = {"command": "python -m experiments.reproduce_budgetmix " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-           "machine": f"{cpu_model()}, {os.cpu_count()} CPUs", "family_alpha": FLAGS.family_alpha,
+           "machine": machine.description(), "family_alpha": FLAGS.family_alpha,
            "setup": setup_record(config, arms), "arms": arms, "seeds": []}
   for seed in seeds:
     root = os.path.join(FLAGS.workdir, f"seed_{seed}")

@@ -12,20 +12,17 @@ go to ``experiments/results/grpo_arithmetic/results.json`` (committed), the plot
 
 import json
 import os
-import platform
-import resource
 import shlex
 import shutil
 import sys
-import time
 
 from absl import app
 from absl import flags
 
 from configs import grpo_arithmetic
+from experiments import machine
 from experiments import results_md
 from experiments.reports import grpo_arithmetic as report
-from lemon_rl.models import flops
 from lemon_rl.training import experiment
 from lemon_rl.training.metrics import read_records
 
@@ -38,24 +35,10 @@ flags.mark_flag_as_required("workdir")
 FLAGS = flags.FLAGS
 
 
-def cpu_model() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or "unknown CPU"
-
-
 def run_arm(config, workdir: str) -> dict:
-  """Runs (or resumes) one arm in this process; the wall and CPU seconds it took."""
-  usage0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.time()
-  summary = experiment.run(config, workdir)
-  usage1 = resource.getrusage(resource.RUSAGE_SELF)
-  return {"summary": summary, "wall_s": time.time() - t0, "user_s": usage1.ru_utime - usage0.ru_utime,
-          "system_s": usage1.ru_stime - usage0.ru_stime}
+  """Runs (or resumes) one arm in this process; its summary and the wall and CPU seconds it took."""
+  summary, timing = machine.timed(experiment.run, config, workdir)
+  return {"summary": summary, **timing}
 
 
 def arm_record(workdir: str, phases, timing: dict) -> dict:
@@ -80,7 +63,7 @@ def main(argv):
   per_step = grpo_arithmetic.step_flops(config)
   saved = {
       "command": "python -m experiments.reproduce_grpo_arithmetic " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-      "machine": f"{cpu_model()}, {os.cpu_count()} CPUs",
+      "machine": machine.description(),
       "family_alpha": FLAGS.family_alpha,
       "setup": {"sft_steps": config.sft.steps, "sft_batch": config.sft.batch_size, "rl_steps": config.rl.steps,
                 "rl_rows": config.rl.prompts_per_step * config.rl.num_generations,
