@@ -1,0 +1,179 @@
+"""The LEMON section: counterfactual orchestration credit against global GRPO, its ablations and SFT alone.
+
+``saved`` (written by :mod:`experiments.reproduce_lemon`): ``command``, ``machine``, ``family_alpha``,
+``setup`` (the config facts the text states), ``workers`` (the worker models' measured skills, or None for
+programmatic workers), ``done`` and one record per seed: ``step0`` (the step-0 check:
+``lemon_rl.training.lemon.measure_step0``) and ``arms`` (per arm: ``final`` held-out evaluation, RL
+``curves``, ``evals``, per-family contrast statistics, wall / CPU seconds).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from lemon_rl.eval.stats import PairedComparison, format_mean_ci, format_paired_table, holm_paired_intervals
+
+TITLE = "LEMON orchestration"
+RESULTS_FILE = "experiments/results/lemon/results.json"
+PLOT_FILE = "experiments/results/lemon/curves.png"
+COMMAND = "python -m experiments.reproduce_lemon --workdir=runs/lemon --seeds=0,1,2,3,4"
+MISSING = ("Not run yet: the task, trainer, worker-model training and step-0 check are in place "
+           "(`lemon_rl.training.lemon`, `lemon_rl.envs.word_problems`, `configs/lemon_orchestration.py`, whose "
+           "docstring records the sizing pilot: all arms over five seeds are about 30 CPU-hours on the 2-core "
+           "machine, an accelerator job).")
+
+FAMILIES = ("drop_edge", "reset_duty", "lower_capacity")
+ARMS = ("sft_only", "grpo", "lemon", "no_drop_edge", "no_reset_duty", "no_lower_capacity", "no_sft")
+LABELS = {"sft_only": "SFT only", "grpo": "global GRPO", "lemon": "LEMON", "no_drop_edge": "LEMON w/o drop_edge",
+          "no_reset_duty": "LEMON w/o reset_duty", "no_lower_capacity": "LEMON w/o lower_capacity",
+          "no_sft": "LEMON without SFT"}
+COLUMNS = (("accuracy", "accuracy", 3), ("worker_tokens", "worker tokens", 0), ("nodes", "agents", 2),
+           ("edges", "edges", 2), ("valid", "valid share", 3), ("success/add", "acc. add", 3),
+           ("success/multiply", "acc. multiply", 3), ("answer_capacity/add", "answer cap. add", 2),
+           ("answer_capacity/multiply", "answer cap. multiply", 2))
+
+
+def _final(seed, arm, key):
+  value = seed["arms"].get(arm, {}).get("final", {}).get(key)
+  return value if isinstance(value, (int, float)) and value == value else None
+
+
+def _paired(seeds, a, b, key):
+  diffs = []
+  for s in seeds:
+    x, y = _final(s, a, key), _final(s, b, key)
+    if x is not None and y is not None:
+      diffs.append(x - y)
+  return diffs
+
+
+def directions(seeds) -> list[PairedComparison]:
+  """The family of claimed directions (the paper's, fixed before the run) as per-seed paired differences."""
+  out = [PairedComparison("LEMON - global GRPO, accuracy", +1, _paired(seeds, "lemon", "grpo", "accuracy")),
+         PairedComparison("LEMON - global GRPO, worker tokens", -1,
+                          _paired(seeds, "lemon", "grpo", "worker_tokens")),
+         PairedComparison("LEMON without SFT - LEMON, accuracy", -1, _paired(seeds, "no_sft", "lemon", "accuracy")),
+         PairedComparison("LEMON - SFT only, accuracy", +1, _paired(seeds, "lemon", "sft_only", "accuracy"))]
+  for f in FAMILIES:
+    out.append(PairedComparison(f"LEMON - LEMON without {f}, accuracy", +1,
+                                _paired(seeds, "lemon", f"no_{f}", "accuracy")))
+  return out
+
+
+def _fmt(values, digits):
+  values = [v for v in values if v is not None]
+  if not values:
+    return "-"
+  return format_mean_ci(values, digits) if len(values) > 1 else f"{values[0]:.{digits}f}"
+
+
+def arms_table(seeds) -> list[str]:
+  ran = [a for a in ARMS if any(a in s["arms"] for s in seeds)]
+  lines = ["| arm | seeds | " + " | ".join(label for _, label, _ in COLUMNS) + " |",
+           "|---|---|" + "---|" * len(COLUMNS)]
+  for arm in ran:
+    n = sum(arm in s["arms"] for s in seeds)
+    cells = [_fmt([_final(s, arm, key) for s in seeds], digits) for key, _, digits in COLUMNS]
+    lines.append(f"| {LABELS[arm]} | {n} | " + " | ".join(cells) + " |")
+  return lines
+
+
+STEP0_COLUMNS = (("applicable_share", "applicable", 3), ("changed_share", "dc != 0", 3),
+                 ("success_changed_share", "flips success", 3), ("useful_share", "useful share", 3),
+                 ("mean_abs_dc", "mean abs dc", 3), ("abs_dc_q10", "q10", 3), ("abs_dc_q50", "q50", 3),
+                 ("abs_dc_q90", "q90", 3))
+
+
+def step0_table(seeds) -> list[str]:
+  """Each edit family's effect on the SFT orchestrator's specs (mean ± CI over seeds) and the gate."""
+  checked = [s for s in seeds if s.get("step0")]
+  if not checked:
+    return []
+  lines = ["| family | " + " | ".join(label for _, label, _ in STEP0_COLUMNS) + " |",
+           "|---|" + "---|" * len(STEP0_COLUMNS)]
+  for f in FAMILIES:
+    rows = [s["step0"]["effects"]["families"].get(f) for s in checked]
+    rows = [r for r in rows if r]
+    if rows:
+      lines.append(f"| {f} | " + " | ".join(_fmt([r[k] for r in rows], d) for k, _, d in STEP0_COLUMNS) + " |")
+  valid = _fmt([s["step0"]["effects"]["valid_share"] for s in checked], 3)
+  gates = []
+  for check in checked[0]["step0"]["gate"]["checks"]:
+    passed = sum(any(c["statistic"] == check["statistic"] and c["passed"] for c in s["step0"]["gate"]["checks"])
+                 for s in checked)
+    op = ">=" if check["bound"] == "min" else "<="
+    gates.append(f"`{check['statistic']}` {op} {check['threshold']:g}: passed on {passed} of {len(checked)} seeds")
+  return ["Step-0 check (the SFT orchestrator's specs, sampled on validation problems; every applicable edit of "
+          f"every valid spec re-executed; valid share {valid}). `useful share`: chance that one edit of the "
+          "family, drawn as the trainer draws it, flips task success on a random valid spec; `|dc|` quantiles "
+          "over edits.", "", *lines, "", "Gate (thresholds fixed in the config): " + "; ".join(gates) + "."]
+
+
+def workers_table(workers) -> list[str]:
+  if not workers:
+    return ["Workers: programmatic (`lemon_rl.envs.word_problems.WordProblemWorker`, accuracy per skill and "
+            "capacity set in `SKILL_ACCURACY`)."]
+  skills = sorted({k for v in workers["skills"].values() for k in v})
+  lines = ["| worker | size | " + " | ".join(skills) + " |", "|---|---|" + "---|" * len(skills)]
+  for cap, scores in workers["skills"].items():
+    size = workers["sizes"].get(cap, {})
+    shape = f"d {size.get('hidden_size')} / {size.get('num_layers')} layers"
+    lines.append(f"| {cap} | {shape} | " + " | ".join(f"{scores.get(k, float('nan')):.3f}" for k in skills) + " |")
+  return ["Worker models (greedy exact match per skill on held-out worker demonstrations):", "", *lines]
+
+
+def render(saved: Mapping[str, Any]) -> str:
+  setup, seeds = saved["setup"], saved["seeds"]
+  r = setup["reward"]
+  lines = [
+      f"Command: `{saved['command']}` on {saved['machine']}" + ("" if saved.get("done") else " (partial: still "
+                                                                 "running or stopped)") + ".",
+      "",
+      f"Word problems (half with a multiplication); reward = success + {r['lambda_tok']} x token efficiency "
+      f"(budget {r['token_budget']:g} worker tokens) - {r['lambda_graph']} x graph cost, {r['invalid_reward']} "
+      f"for an invalid spec. Orchestrator SFT {setup['sft_steps']} steps x {setup['sft_batch']} teacher specs; "
+      f"RL {setup['rl_steps']} steps x {setup['rl_prompts']} problems x {setup['num_generations']} specs; "
+      f"held-out scores on {setup['eval_examples']} test problems (greedy specs). Columns: task accuracy, worker "
+      "tokens per problem (prompts and completions of every agent), agents and edges per spec, share of valid "
+      "specs, accuracy by problem kind and the answer agent's capacity level (0 small, 1 medium, 2 large).",
+      "",
+      *workers_table(saved.get("workers")),
+      "",
+      *arms_table(seeds),
+      "",
+      *format_paired_table(holm_paired_intervals(directions(seeds), saved["family_alpha"])),
+      "",
+      *step0_table(seeds),
+      "",
+      f"Curves (RL reward and worker tokens per step, mean over seeds, every arm): `{PLOT_FILE}`.",
+  ]
+  return "\n".join(lines)
+
+
+def plot(saved: Mapping[str, Any], path: str) -> None:
+  """Reward and worker tokens per RL step, mean over seeds, one line per RL arm."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+  for ax, key, title in zip(axes, ("reward/total/mean", "lemon/worker_tokens"), ("reward", "worker tokens")):
+    for arm in ARMS:
+      curves = [s["arms"][arm]["curves"].get(key, []) for s in saved["seeds"] if arm in s["arms"]]
+      curves = [[(x, y) for x, y in c if y is not None] for c in curves]
+      curves = [c for c in curves if c]
+      if not curves:
+        continue
+      n = min(len(c) for c in curves)
+      xs = np.asarray([x for x, _ in curves[0][:n]])
+      ys = np.mean([[y for _, y in c[:n]] for c in curves], axis=0)
+      ax.plot(xs, ys, label=LABELS[arm])
+    ax.set_xlabel("RL step")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)

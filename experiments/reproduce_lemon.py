@@ -1,0 +1,193 @@
+r"""LEMON over seeds: SFT only, global GRPO, LEMON, LEMON without each edit family, LEMON without SFT.
+
+    python -m experiments.reproduce_lemon --workdir=runs/lemon --seeds=0,1,2,3,4            # the experiment
+    python -m experiments.reproduce_lemon --workdir=runs/lemon --train_workers_only         # workers only
+    python -m experiments.reproduce_lemon --workdir=/tmp/lemon_tiny --variant=tiny --seeds=0 \
+        --results_file=/tmp/lemon_tiny/results.json                                          # smoke run
+
+Workers (``task.workers="models"``, the ``cpu`` variant): the three worker models are trained ONCE, by SFT on
+worker demonstrations (``lemon_rl.envs.word_problems.worker_demonstrations``), into ``<workdir>/workers``
+(``--workers_dir`` to share them between runs) and their skills are measured on held-out demonstrations;
+they are part of the environment, the same for every arm and seed. The ``tiny`` and ``pilot`` variants use
+the programmatic workers instead.
+
+Per seed (``configs/lemon_orchestration.py:<variant>_<arm>``): the ``sft_only`` arm runs the orchestrator's
+SFT on the scripted teacher's specs; its final policy is "SFT only" and the step-0 check runs on it (specs
+sampled on validation problems; every applicable edit of every valid spec re-executed: the ``|dc|``
+distribution of each family and the share of specs on which it flips task success, against the thresholds
+of ``lemon.step0_thresholds``). Each RL arm (``grpo``, ``lemon``, ``no_<family>``) continues from a copy of
+that SFT checkpoint; ``no_sft`` runs LEMON from a random orchestrator. Runs resume; a finished one is only
+re-read. Results go to ``experiments/results/lemon/results.json`` (after every arm) and the section of
+``experiments/RESULTS.md`` is regenerated when the results file is the committed one.
+"""
+
+import json
+import os
+import shlex
+import shutil
+import sys
+import time
+
+from absl import app
+from absl import flags
+
+from configs import lemon_orchestration
+from experiments import machine
+from experiments import results_md
+from experiments.reports import lemon as report
+from lemon_rl.envs import word_problems
+from lemon_rl.text import ByteTokenizer
+from lemon_rl.training import experiment
+from lemon_rl.training import lemon
+from lemon_rl.training.metrics import read_records
+
+flags.DEFINE_string("workdir", None, "Root directory: workers/, then one sub-directory per seed and arm.")
+flags.DEFINE_string("seeds", "0,1,2,3,4", "Comma-separated seeds.")
+flags.DEFINE_string("variant", "cpu", "Config size: cpu (worker models), pilot or tiny (programmatic workers).")
+flags.DEFINE_string("arms", ",".join(report.ARMS), "Comma-separated arms (sft_only always runs first).")
+flags.DEFINE_string("workers_dir", "", "Trained worker models ('' = <workdir>/workers).")
+flags.DEFINE_bool("train_workers_only", False, "Train (or re-score) the worker models and stop.")
+flags.DEFINE_integer("step0_examples", 100, "Validation problems of the step-0 check (G specs each).")
+flags.DEFINE_string("results_file", report.RESULTS_FILE, "Where the results JSON goes (relative to the repo).")
+flags.DEFINE_float("family_alpha", 0.05, "Familywise error rate of the claimed directions (Holm).")
+flags.mark_flag_as_required("workdir")
+FLAGS = flags.FLAGS
+
+
+def train_workers(config, workers_dir: str) -> dict:
+  """Trains (once) and scores the worker models of ``config.task``; returns their ``workers.json``."""
+  t, w = config.task, config.task.worker_training
+  kwargs = word_problems._generator_kwargs(t)  # pylint: disable=protected-access
+  demos = word_problems.worker_demonstrations(t.data_seed, int(w.num_demos), "workers", **kwargs)
+  eval_demos = word_problems.worker_demonstrations(t.data_seed, int(w.num_eval), "workers_eval", **kwargs)
+  return lemon.train_worker_models(demos, eval_demos, t.worker_models, w, workers_dir, ByteTokenizer(),
+                                   prompt_len=word_problems.WORKER_PROMPT_LEN,
+                                   max_new_tokens=word_problems.WORKER_MAX_NEW_TOKENS)
+
+
+def final_eval(workdir: str, config) -> dict:
+  """The last held-out evaluation of the arm's last phase that ran (its accuracy, tokens, graph size...)."""
+  records = read_records(os.path.join(workdir, "metrics.jsonl"))
+  phase = [p for p in config.phases if config[p].steps][-1]
+  evals = [r for r in records if r["phase"] == f"eval_{phase}"]
+  return {k: v for k, v in evals[-1].items() if k not in ("phase", "step")}
+
+
+ARM_CURVES = ("reward/total/mean", "lemon/worker_tokens", "lemon/invalid_share", "lemon/success",
+              "lemon/graph_nodes")
+
+
+def arm_record(workdir: str, config, timing: dict) -> dict:
+  """Final evaluation, RL curves, held-out accuracy along the way, per-family contrast statistics."""
+  records = read_records(os.path.join(workdir, "metrics.jsonl"))
+  rl = [r for r in records if r["phase"] == "rl"]
+  curves = {k: [[r["step"], r.get(k)] for r in rl] for k in ARM_CURVES}
+  evals = [[r["phase"].removeprefix("eval_"), r["step"], r["accuracy"], r.get("worker_tokens")]
+           for r in records if r["phase"].startswith("eval_")]
+  families = {}
+  for f in lemon_orchestration.EDIT_FAMILIES:
+    mean = lambda k: _nanmean([r.get(f"lemon/{f}/{k}") for r in rl])
+    families[f] = {"edits": _nansum([r.get(f"lemon/{f}/edits") for r in rl]), "abs_dc": mean("abs_dc"),
+                   "changed_share": mean("changed_share"), "success_changed_share": mean("success_changed_share"),
+                   "final_prob": rl[-1].get(f"lemon/{f}/prob") if rl else None}
+  return {"final": final_eval(workdir, config), "curves": curves, "evals": evals, "families": families,
+          **timing}
+
+
+def _nanmean(xs):
+  xs = [x for x in xs if isinstance(x, (int, float)) and x == x]
+  return sum(xs) / len(xs) if xs else None
+
+
+def _nansum(xs):
+  return float(sum(x for x in xs if isinstance(x, (int, float)) and x == x))
+
+
+def run_arm(config, workdir: str, final=None) -> dict:
+  """Runs (or resumes) one arm in this process; the wall and CPU seconds it took (and ``final``'s output)."""
+  summary, timing = machine.timed(experiment.run, config, workdir, final_eval=final)
+  return {**timing, "final_eval": summary.get("final_eval")}
+
+
+def setup_facts(config) -> dict:
+  """The config facts the section states (saved with the results: a rerender never reads a config)."""
+  return {"variant": FLAGS.variant, "workers": config.task.workers, "sft_steps": config.sft.steps,
+          "sft_batch": config.sft.batch_size, "rl_steps": config.rl.steps, "rl_prompts": config.rl.prompts_per_step,
+          "num_generations": config.rl.num_generations, "learning_rate": config.rl.learning_rate,
+          "mu": config.lemon.mu, "reward": config.task.reward.to_dict(), "eval_examples": config.eval.num_examples,
+          "step0_examples": FLAGS.step0_examples, "multiply_fraction": config.task.multiply_fraction,
+          "thresholds": config.lemon.step0_thresholds.to_dict()}
+
+
+def main(argv):
+  del argv
+  seeds = [int(s) for s in FLAGS.seeds.split(",") if s]
+  arms = [a for a in FLAGS.arms.split(",") if a]
+  unknown = set(arms) - set(report.ARMS)
+  if unknown:
+    raise app.UsageError(f"unknown arms {sorted(unknown)}; known: {report.ARMS}")
+  base = lemon_orchestration.get_config(FLAGS.variant)
+  workers_dir = FLAGS.workers_dir or os.path.join(FLAGS.workdir, "workers")
+  saved = {"command": "python -m experiments.reproduce_lemon " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+           "machine": machine.description(), "family_alpha": FLAGS.family_alpha,
+           "setup": setup_facts(base), "workers": None, "seeds": [], "done": False}
+  t_start = time.time()
+  if base.task.workers == "models":
+    saved["workers"] = train_workers(base, workers_dir)
+  if FLAGS.train_workers_only:
+    print(json.dumps(saved["workers"], indent=1) if saved["workers"] else
+          f"variant {FLAGS.variant!r} uses programmatic workers: nothing to train")
+    return
+  path = FLAGS.results_file if os.path.isabs(FLAGS.results_file) else os.path.join(results_md.ROOT,
+                                                                                     FLAGS.results_file)
+
+  def save():
+    saved["elapsed_s"] = time.time() - t_start
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+      json.dump(saved, f, indent=1)
+    report.plot(saved, os.path.join(os.path.dirname(path), "curves.png"))
+
+  for seed in seeds:
+    root = os.path.join(FLAGS.workdir, f"seed_{seed}")
+    record = {"seed": seed, "arms": {}}
+    saved["seeds"].append(record)
+
+    def config_of(arm):
+      c = lemon_orchestration.apply_arm(lemon_orchestration.get_config(FLAGS.variant), arm)
+      c.seed = seed
+      c.task.workers_dir = workers_dir
+      return c
+
+    sft_config = config_of("sft_only")
+    step0 = {}
+
+    def check(model, task):
+      step0.update(lemon.measure_step0(model, task, sft_config, FLAGS.step0_examples))
+      return step0
+
+    timing = run_arm(sft_config, os.path.join(root, "sft_only"), final=check)
+    record["step0"] = timing.pop("final_eval")
+    record["arms"]["sft_only"] = arm_record(os.path.join(root, "sft_only"), sft_config, timing)
+    save()
+    for arm in arms:
+      if arm == "sft_only":
+        continue
+      config, workdir = config_of(arm), os.path.join(root, arm)
+      if config.sft.steps:
+        dst = os.path.join(workdir, "checkpoints", "sft")
+        if not os.path.exists(dst):
+          shutil.copytree(os.path.join(root, "sft_only", "checkpoints", "sft"), dst)
+      timing = run_arm(config, workdir)
+      timing.pop("final_eval")
+      record["arms"][arm] = arm_record(workdir, config, timing)
+      save()
+  saved["done"] = True
+  save()
+  if not os.path.isabs(FLAGS.results_file) and FLAGS.results_file == report.RESULTS_FILE:
+    results_md.main([])
+  print(report.render(saved))
+
+
+if __name__ == "__main__":
+  app.run(main)
