@@ -34,7 +34,7 @@ def test_eight_fake_devices_match_one_device():
   out = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   result = json.loads(out.stdout.strip().splitlines()[-1])
-  assert result["param_spec"] == "P('fsdp', 'tensor')"
+  assert result["param_spec"] == "P('fsdp', 'tensor', None)"  # gate_up [E, F, 2]: F split, gate|up kept.
   # Float32 sums in another order (8 shards; also AVX2 vs AVX-512): a logit sums contractions over d 64, MLP
   # 128, <= 12 attended positions and the vocabulary 64 (softmax), worst case K eps |x| apart; the loss is a
   # mean of n positive NLL terms (each within K eps of its logit scale); a gradient entry sums n token terms.

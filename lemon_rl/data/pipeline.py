@@ -1,14 +1,25 @@
 """Grain pipelines over random-access sources (``tfds`` array_record data sources, lists, ...).
 
-:class:`BatchIterator` is a ``grain.MapDataset`` over the source's record indices: (optional) shard for this
-process -> shuffle with a seed (a new permutation every epoch) -> repeat -> batch -> read the batch's records
-(one ``__getitems__`` call) -> decode -> optional per-record transform -> collate. It is deterministic in
-``(source, seed, batch_size, shard)``, and its position is a small JSON-serialisable dict::
+:class:`BatchIterator` is a ``grain.MapDataset`` over the source's record indices: shuffle with a seed (a new
+permutation every epoch) -> repeat -> batch -> (optional) this process's slice of the batch -> read the
+batch's records (one ``__getitems__`` call) -> decode -> optional per-record transform -> collate. It is
+deterministic in ``(source, seed, batch_size * num_shards)``, and its position is a small JSON-serialisable
+dict::
 
   it = BatchIterator(builder.as_data_source("train"), batch_size=64, seed=0)
   batch = next(it)          # {"prompt": ["57+68=", ...], "answer": ["0125", ...], "sloppy": array([...])}
   state = it.get_state()    # {"next_index": 1, "seed": 0, ...}: put it into the checkpoint metadata
   it.set_state(state)       # resumes at exactly the same next batch
+
+Sharding by process (multi-host; ``lemon_rl.training.distributed.iterator_shard``): with ``num_shards = S``
+every shard walks the same shuffled stream of *global* batches of ``S * batch_size`` records and reads only
+its slice ``[shard_index * batch_size, (shard_index + 1) * batch_size)`` of each. So the shards of a step are
+disjoint and together are exactly the global batch a single iterator with ``batch_size * S`` would yield
+(the run does not depend on the number of processes, and a checkpointed position resumes under another
+process count), every shard gets equal batches, and one epoch's worth of steps covers the epoch. Remainder:
+with ``num_epochs`` set, the records that do not fill a last global batch are dropped
+(``drop_remainder=False`` is refused with ``S > 1``: shards would get unequal batches); repeating forever
+drops nothing (batches run across epoch boundaries).
 
 Text fields (bytes in tfds records) come out as ``list[str]``; numeric fields as numpy arrays ``[B, ...]``.
 Tokenisation happens in the trainers (``lemon_rl.training.sft.sft_batch``, the rollouts), on one
@@ -61,6 +72,15 @@ def _read_batch(source: Any, transform: Callable[[dict[str, Any]], Mapping[str, 
   return collate(records)
 
 
+def _slice(start: int, stop: int, indices: list[int]) -> list[int]:
+  return indices[start:stop]
+
+
+# Settings that may differ between a saved position and the iterator resuming it (another process count):
+# the global batch ``batch_size * num_shards`` must match instead.
+_SHARD_KEYS = ("batch_size", "shard_index", "num_shards")
+
+
 class BatchIterator:
   """Deterministic, resumable batches from a random-access source.
 
@@ -72,8 +92,8 @@ class BatchIterator:
     num_epochs: ``None`` repeats forever; an int stops after that many passes (``StopIteration``).
     drop_remainder: drop a last incomplete batch (only matters with ``num_epochs``).
     transform: optional function applied to each decoded record before batching.
-    shard_index, num_shards: this process reads records ``shard_index::num_shards`` (multi-host data loading:
-      ``jax.process_index()``, ``jax.process_count()``).
+    shard_index, num_shards: this process reads slice ``shard_index`` of ``num_shards`` equal slices of each
+      global batch of ``batch_size * num_shards`` records (module docstring; multi-host data loading).
     num_threads, prefetch_batches: grain read options (threads reading ahead; 0 threads reads in the caller).
   """
 
@@ -90,17 +110,20 @@ class BatchIterator:
     num_records = len(source)
     if num_records < num_shards:
       raise ValueError(f"source has {num_records} records, fewer than num_shards={num_shards}")
+    if num_epochs is None and drop_remainder is False:
+      drop_remainder = True  # Irrelevant for an infinite stream; keep the state description canonical.
+    if num_shards > 1 and not drop_remainder:
+      raise ValueError(f"drop_remainder=False with num_shards={num_shards}: the shards of a last partial batch "
+                       "would be unequal; use drop_remainder=True")
     # Shuffle, repeat and batch record *indices*, then read each batch with one `__getitems__` call: a tfds
     # array_record source reads a batch in one parallel call, ~10x faster per record than `source[i]` one by one.
     dataset = grain.MapDataset.range(num_records)
-    if num_shards > 1:
-      dataset = dataset[shard_index::num_shards]
-    if num_epochs is None and drop_remainder is False:
-      drop_remainder = True  # Irrelevant for an infinite stream; keep the state description canonical.
     if shuffle:
       dataset = dataset.shuffle(seed=seed)
     dataset = dataset.repeat(num_epochs)
-    dataset = dataset.batch(batch_size, drop_remainder=drop_remainder, batch_fn=list)
+    dataset = dataset.batch(batch_size * num_shards, drop_remainder=drop_remainder, batch_fn=list)
+    if num_shards > 1:  # This shard's slice of the global batch.
+      dataset = dataset.map(functools.partial(_slice, shard_index * batch_size, (shard_index + 1) * batch_size))
     dataset = dataset.map(functools.partial(_read_batch, source, transform))
     self._dataset = dataset
     self._read_options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch_batches)
@@ -134,10 +157,17 @@ class BatchIterator:
     return {"next_index": self._next_index, **self._config}
 
   def set_state(self, state: Mapping[str, Any]) -> None:
-    """Moves to the position ``state`` (from :meth:`get_state` of an iterator with the same settings)."""
+    """Moves to the position ``state`` (from :meth:`get_state` of an iterator with the same settings; the
+    split into shards may differ if the global batch ``batch_size * num_shards`` is the same)."""
     if "next_index" not in state:
       raise ValueError(f"iterator state has no 'next_index': {dict(state)}")
-    mismatched = {k: (state[k], v) for k, v in self._config.items() if k in state and state[k] != v}
+    mismatched = {k: (state[k], v) for k, v in self._config.items()
+                  if k in state and k not in _SHARD_KEYS and state[k] != v}
+    if "batch_size" in state:  # The global batch: the position is valid for any split of it into shards.
+      saved, current = (int(state["batch_size"]) * int(state.get("num_shards", 1)),
+                        self._config["batch_size"] * self._config["num_shards"])
+      if saved != current:
+        mismatched["batch_size * num_shards"] = (saved, current)
     if mismatched:
       raise ValueError("iterator state was saved with different settings (saved, current): " +
                        ", ".join(f"{k}={a!r} vs {b!r}" for k, (a, b) in mismatched.items()))

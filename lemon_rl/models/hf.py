@@ -5,7 +5,8 @@ Llama- or Qwen2-family checkpoint; writes a directory that ``transformers`` load
 ``AutoModelForCausalLM.from_pretrained``. Only local paths: nothing is downloaded.
 
 Our fused layouts relate to Hugging Face's ``nn.Linear`` weights (``[out, in]``) by
-``qkv = concat([q_proj.T, k_proj.T, v_proj.T], axis=1)`` and ``gate_up = concat([gate_proj.T, up_proj.T], 1)``.
+``qkv = group_qkv(concat([q_proj.T, k_proj.T, v_proj.T], axis=1))`` (``[E, K, G + 2, D]``, grouped by KV head)
+and ``gate_up = stack([gate_proj.T, up_proj.T], axis=-1)`` (``[E, F, 2]``); ``out = o_proj.T`` as ``[H, D, E]``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from lemon_rl.models.config import ModelConfig
-from lemon_rl.models.transformer import Transformer
+from lemon_rl.models.transformer import Transformer, group_qkv, ungroup_qkv
 
 _SUPPORTED = ("qwen2", "llama")
 
@@ -129,13 +130,15 @@ def from_hf(path: str, **config_overrides) -> Transformer:
   for i, block in enumerate(model.blocks):
     p = f"model.layers.{i}."
     assign(block.attn_norm, take(p + "input_layernorm.weight"))
-    assign(block.qkv, np.concatenate([take(p + f"self_attn.{n}_proj.weight").T for n in "qkv"], axis=1))
+    assign(block.qkv, group_qkv(np.concatenate([take(p + f"self_attn.{n}_proj.weight").T for n in "qkv"],
+                                               axis=1), cfg))
     if block.qkv_bias is not None:
-      assign(block.qkv_bias, np.concatenate([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
-    assign(block.out, take(p + "self_attn.o_proj.weight").T)
+      assign(block.qkv_bias, group_qkv(np.concatenate([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]),
+                                       cfg))
+    assign(block.out, take(p + "self_attn.o_proj.weight").T.reshape(block.out.shape))
     assign(block.mlp_norm, take(p + "post_attention_layernorm.weight"))
-    assign(block.gate_up, np.concatenate([take(p + "mlp.gate_proj.weight").T,
-                                          take(p + "mlp.up_proj.weight").T], axis=1))
+    assign(block.gate_up, np.stack([take(p + "mlp.gate_proj.weight").T, take(p + "mlp.up_proj.weight").T],
+                                   axis=-1))
     assign(block.down, take(p + "mlp.down_proj.weight").T)
   assign(model.final_norm, take("model.norm.weight"))
   if model.lm_head is not None:
@@ -161,16 +164,16 @@ def hf_state_dict(model: Transformer) -> dict[str, np.ndarray]:
   k_end = q_end + cfg.num_kv_heads * cfg.head_dim
   for i, block in enumerate(model.blocks):
     p = f"model.layers.{i}."
-    qkv = arr(block.qkv)
+    qkv = ungroup_qkv(arr(block.qkv), cfg)
     for n, part in zip("qkv", np.split(qkv, [q_end, k_end], axis=1)):
       out[p + f"self_attn.{n}_proj.weight"] = part.T
     if block.qkv_bias is not None:
-      for n, part in zip("qkv", np.split(arr(block.qkv_bias), [q_end, k_end])):
+      for n, part in zip("qkv", np.split(ungroup_qkv(arr(block.qkv_bias), cfg), [q_end, k_end])):
         out[p + f"self_attn.{n}_proj.bias"] = part
-    out[p + "self_attn.o_proj.weight"] = arr(block.out).T
+    out[p + "self_attn.o_proj.weight"] = arr(block.out).reshape(-1, cfg.hidden_size).T
     out[p + "input_layernorm.weight"] = arr(block.attn_norm)
     out[p + "post_attention_layernorm.weight"] = arr(block.mlp_norm)
-    gate, up = np.split(arr(block.gate_up), 2, axis=1)
+    gate, up = arr(block.gate_up)[..., 0], arr(block.gate_up)[..., 1]
     out[p + "mlp.gate_proj.weight"] = gate.T
     out[p + "mlp.up_proj.weight"] = up.T
     out[p + "mlp.down_proj.weight"] = arr(block.down).T

@@ -1,7 +1,10 @@
 """A Llama / Qwen2-family decoder in Flax NNX.
 
 Layout choices (measured on XLA:CPU, see ``shared/DESIGN.md``): every projection runs on 2-D activations
-``[B*T, E]``; Q/K/V are one fused matmul and the SwiGLU gate/up another; the KV cache is
+``[B*T, E]``; Q/K/V are one fused matmul (weight ``[E, K, G + 2, D]``, grouped by KV head) and the SwiGLU
+gate/up another (``[E, F, 2]``), laid out so that a tensor-parallel split never crosses the q | k | v or
+gate | up boundaries (:func:`group_qkv`), and the output projection ``[H, D, E]`` splits on whole heads (each
+weight is reshaped to 2-D for its matmul: a merge that keeps the split major axis); the KV cache is
 ``[B, K, S, D]`` with a length per row (each row left-aligned at slot 0, appended to by one scatter per
 layer buffer; as fast as the former same-slot ``dynamic_update_slice`` at batch 8 and 32 within this
 machine's noise) and grouped-query attention is one batched matmul per (batch, KV head). Full-sequence
@@ -21,6 +24,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from lemon_rl.models.config import ModelConfig
@@ -269,6 +273,42 @@ def causal_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax
   return outs[0] if n == 1 else jnp.concatenate(outs, axis=1)
 
 
+_QKV_AXES = ("kv_heads", None, "head_dim")  # Logical axes of the fused QKV's [K, G + 2, D] columns.
+
+
+def group_qkv(w, cfg: ModelConfig):
+  """Fused Q/K/V columns ``[..., (H + 2K) * D]`` in the order ``q | k | v`` (Hugging Face's projections
+  concatenated) -> the grouped layout ``[..., K, G + 2, D]``: for each KV head ``k``, its ``G`` query heads
+  ``k * G ... k * G + G - 1`` (slots ``0 .. G-1``), its key (slot ``G``) and its value (slot ``G + 1``).
+
+  The weight is sharded along ``K`` (logical ``kv_heads``), so a tensor-parallel split hands each device
+  whole KV groups (their queries, key and value) and never a slice that crosses the q | k | v boundary; the
+  output projection's rows (query heads, KV-group-major) split the same way. NumPy or JAX arrays.
+  """
+  xp = np if isinstance(w, np.ndarray) else jnp
+  h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  *lead, width = w.shape
+  if width != (h + 2 * kv) * d:
+    raise ValueError(f"fused QKV width {width} != (H + 2K) D = {(h + 2 * kv) * d}")
+  w = w.reshape(*lead, h + 2 * kv, d)
+  q = w[..., :h, :].reshape(*lead, kv, h // kv, d)
+  k, v = w[..., h:h + kv, None, :], w[..., h + kv:, None, :]
+  return xp.concatenate([q, k, v], axis=-2)
+
+
+def ungroup_qkv(w, cfg: ModelConfig):
+  """The inverse of :func:`group_qkv`: ``[..., K, G + 2, D]`` -> ``[..., (H + 2K) * D]`` (``q | k | v``)."""
+  xp = np if isinstance(w, np.ndarray) else jnp
+  *lead, kv, slots, d = w.shape
+  g = slots - 2
+  q = w[..., :g, :].reshape(*lead, kv * g * d)
+  return xp.concatenate([q, w[..., g, :].reshape(*lead, kv * d), w[..., g + 1, :].reshape(*lead, kv * d)], axis=-1)
+
+
+def _grouped(param: nnx.Param, cfg: ModelConfig, logical_axes) -> nnx.Param:
+  return nnx.Param(group_qkv(param[...], cfg), logical_axes=logical_axes)
+
+
 class Block(nnx.Module):
   """Pre-norm decoder block: attention + SwiGLU MLP, each with a residual connection."""
 
@@ -277,11 +317,16 @@ class Block(nnx.Module):
     e, d, f = cfg.hidden_size, cfg.head_dim, cfg.mlp_dim
     qkv_width = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
     self.attn_norm = _param(rngs, (e,), cfg, ("embed",), init="ones")
-    self.qkv = _param(rngs, (e, qkv_width), cfg, ("embed", "heads"))
-    self.qkv_bias = _param(rngs, (qkv_width,), cfg, ("heads",), init="zeros") if cfg.qkv_bias else None
-    self.out = _param(rngs, (cfg.num_heads * d, e), cfg, ("heads", "embed"))
+    # Fused layouts split on whole KV groups / MLP columns (see `group_qkv`); drawn in the concatenated
+    # layout and rearranged, so a seed gives the same function as the former [q | k | v], [gate | up] ones.
+    self.qkv = _grouped(_param(rngs, (e, qkv_width), cfg, None), cfg, ("embed", *_QKV_AXES))
+    self.qkv_bias = (_grouped(_param(rngs, (qkv_width,), cfg, None, init="zeros"), cfg, _QKV_AXES)
+                     if cfg.qkv_bias else None)
+    out = _param(rngs, (cfg.num_heads * d, e), cfg, None)[...]  # [H, D, E]: split on whole query heads.
+    self.out = nnx.Param(out.reshape(cfg.num_heads, d, e), logical_axes=("heads", "head_dim", "embed"))
     self.mlp_norm = _param(rngs, (e,), cfg, ("embed",), init="ones")
-    self.gate_up = _param(rngs, (e, 2 * f), cfg, ("embed", "mlp"))
+    gate_up = _param(rngs, (e, 2 * f), cfg, None)[...].reshape(e, 2, f)  # [gate | up] -> [E, F, 2]
+    self.gate_up = nnx.Param(gate_up.transpose(0, 2, 1), logical_axes=("embed", "mlp", None))
     self.down = _param(rngs, (f, e), cfg, ("mlp", "embed"))
 
   def project_qkv(self, x2: jax.Array, batch: int, rope: tuple[jax.Array, jax.Array]):
@@ -291,11 +336,15 @@ class Block(nnx.Module):
     """
     cfg, dt = self.cfg, self.cfg.jnp_dtype
     h = rms_norm(x2, self.attn_norm[...].astype(dt), cfg.rms_norm_eps)
-    qkv = h @ self.qkv[...].astype(dt)
+    # One 2-D matmul: merging [K, G + 2, D] keeps a split of the (major) KV-head axis.
+    w = self.qkv[...]
+    qkv = h @ w.reshape(w.shape[0], -1).astype(dt)
     if self.qkv_bias is not None:
-      qkv = qkv + self.qkv_bias[...].astype(dt)
-    qkv = qkv.reshape(batch, -1, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
-    q, k, v = jnp.split(qkv, [cfg.num_heads, cfg.num_heads + cfg.num_kv_heads], axis=2)
+      qkv = qkv + self.qkv_bias[...].reshape(-1).astype(dt)
+    qkv = qkv.reshape(batch, -1, *w.shape[1:])  # [B, T, K, G + 2, D]
+    g = cfg.num_heads // cfg.num_kv_heads
+    q = qkv[:, :, :, :g].reshape(batch, -1, cfg.num_heads, cfg.head_dim)  # head k * G + j: KV head k's j-th.
+    k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]
     q = constrain(rotate(q, *rope), ("batch", "seq", "heads", "head_dim"))
     k = constrain(rotate(k, *rope), ("batch", "seq", "kv_heads", "head_dim"))
     return q, k, constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
@@ -303,10 +352,12 @@ class Block(nnx.Module):
   def finish(self, x2: jax.Array, attn: jax.Array) -> jax.Array:
     """Output projection + residual, then the SwiGLU MLP + residual. ``x2, attn`` are 2-D."""
     cfg, dt = self.cfg, self.cfg.jnp_dtype
-    x2 = x2 + attn @ self.out[...].astype(dt)
+    w = self.out[...]
+    x2 = x2 + attn @ w.reshape(-1, w.shape[-1]).astype(dt)
     h = rms_norm(x2, self.mlp_norm[...].astype(dt), cfg.rms_norm_eps)
-    gate, up = jnp.split(h @ self.gate_up[...].astype(dt), 2, axis=-1)
-    x2 = x2 + (jax.nn.silu(gate) * up) @ self.down[...].astype(dt)
+    w = self.gate_up[...]  # [E, F, 2]: column f's gate and up side by side (a split of F keeps both).
+    gate_up = (h @ w.reshape(w.shape[0], -1).astype(dt)).reshape(h.shape[0], -1, 2)
+    x2 = x2 + (jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1]) @ self.down[...].astype(dt)
     return constrain(x2, ("batch", "embed"))
 
   def __call__(self, x2, batch, rope, mask):
@@ -351,13 +402,17 @@ class Transformer(nnx.Module):
   # -- full-sequence forward ----------------------------------------------------------------------------
 
   def hidden_states(self, input_ids: jax.Array, attention_mask: jax.Array | None = None,
-                    positions: jax.Array | None = None) -> jax.Array:
+                    positions: jax.Array | None = None, feature_layers: tuple[int, ...] = ()):
     """Final-norm hidden states ``[B, T, E]``.
 
     Args:
       input_ids: ``[B, T]`` int token ids.
       attention_mask: ``[B, T]`` 1 on real tokens, 0 on padding (left or right). ``None`` = all real.
       positions: ``[B, T]`` rotary positions; default ``cumsum(mask) - 1`` so left padding is handled.
+      feature_layers: block indices whose outputs to return too (see :func:`layer_features`).
+
+    Returns:
+      ``hidden``, or ``(hidden, features [B, T, n*E])`` when ``feature_layers`` is not empty.
     """
     b, t = input_ids.shape
     mask = jnp.ones((b, t), bool) if attention_mask is None else attention_mask.astype(bool)
@@ -371,9 +426,13 @@ class Transformer(nnx.Module):
 
     if self.cfg.remat:
       run_block = nnx.remat(run_block)
+    outputs = []
     for block in self.blocks:
       x2 = run_block(block, x2)
+      outputs.append(x2)
     x2 = rms_norm(x2, self.final_norm[...].astype(x2.dtype), self.cfg.rms_norm_eps)
+    if feature_layers:
+      return x2.reshape(b, t, -1), layer_features(outputs, feature_layers, b)
     return x2.reshape(b, t, -1)
 
   def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None,
@@ -399,7 +458,8 @@ class Transformer(nnx.Module):
     zeros = tuple(jnp.zeros(shape, cfg.jnp_dtype) for _ in range(cfg.num_layers))
     return KVCache(zeros, zeros, jnp.zeros((batch,), jnp.int32))
 
-  def prefill(self, input_ids: jax.Array, attention_mask: jax.Array, num_slots: int):
+  def prefill(self, input_ids: jax.Array, attention_mask: jax.Array, num_slots: int,
+              feature_layers: tuple[int, ...] = ()):
     """Runs left-aligned (right-padded) prompts and writes them into cache slots ``[0, length)``.
 
     Equal (up to float rounding) to ``extend(input_ids, init_cache(B, num_slots), num_new=lengths)`` but
@@ -411,10 +471,12 @@ class Transformer(nnx.Module):
       attention_mask: ``[B, P]``, 1 on a prefix of each row (``lengths = attention_mask.sum(-1)``, at
         least 1); a mask with holes or left padding is not supported (positions would be wrong).
       num_slots: cache capacity ``S >= P`` (prompt + every token to be appended).
+      feature_layers: block indices whose outputs to return too (see :func:`layer_features`).
 
     Returns:
       ``(last_hidden [B, E], cache)``: the final-norm hidden state of each row's last real token, and
-      the cache with ``lengths`` = the prompt lengths.
+      the cache with ``lengths`` = the prompt lengths; with ``feature_layers``, ``(last_hidden, cache,
+      features [B, P, n*E])`` (every prompt position).
     """
     b, p = input_ids.shape
     if num_slots < p:
@@ -424,7 +486,7 @@ class Transformer(nnx.Module):
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     rope = rope_tables(positions, rope_inverse_frequencies(self.cfg))
     x2 = self.embed_tokens(input_ids)
-    keys, values = [], []
+    keys, values, outputs = [], [], []
     pad = ((0, 0), (0, 0), (0, num_slots - p), (0, 0))
     for block in self.blocks:
       q, k, v = block.project_qkv(x2, b, rope)
@@ -432,12 +494,17 @@ class Transformer(nnx.Module):
       x2 = block.finish(x2, causal_attention(q, k, v, mask).reshape(b * p, -1))
       keys.append(jnp.pad(k, pad))
       values.append(jnp.pad(v, pad))
+      outputs.append(x2)
     last_index = jnp.maximum(lengths - 1, 0)[:, None, None]
     last = jnp.take_along_axis(x2.reshape(b, p, -1), last_index, axis=1)[:, 0]
     last = rms_norm(last, self.final_norm[...].astype(last.dtype), self.cfg.rms_norm_eps)
-    return last, KVCache(tuple(keys), tuple(values), lengths)
+    cache = KVCache(tuple(keys), tuple(values), lengths)
+    if feature_layers:
+      return last, cache, layer_features(outputs, feature_layers, b)
+    return last, cache
 
-  def extend(self, tokens: jax.Array, cache: KVCache, num_new: jax.Array | None = None):
+  def extend(self, tokens: jax.Array, cache: KVCache, num_new: jax.Array | None = None,
+             feature_layers: tuple[int, ...] = ()):
     """Appends ``k`` tokens to every row in one forward: plain decoding (``k = 1``), speculative
     verification of ``k`` drafted tokens, or a new turn of an episode.
 
@@ -453,10 +520,12 @@ class Transformer(nnx.Module):
       num_new: optional ``[B]`` int in ``[0, k]``: how many of the ``k`` tokens of each row are real.
         Only the first ``num_new[b]`` count (``lengths += num_new``); the others are still computed and
         written but lie beyond the new length, exactly as if they had been truncated. Default ``k``.
+      feature_layers: block indices whose outputs to return too (see :func:`layer_features`).
 
     Returns:
       ``(hidden [B, k, E], cache)``: final-norm hidden states of the ``k`` positions (those past
-      ``num_new`` are finite but meaningless) and the cache with the new lengths.
+      ``num_new`` are finite but meaningless) and the cache with the new lengths; with ``feature_layers``,
+      ``(hidden, cache, features [B, k, n*E])``.
     """
     b, k = tokens.shape
     s = cache.num_slots
@@ -465,7 +534,7 @@ class Transformer(nnx.Module):
     rope = rope_tables(positions, rope_inverse_frequencies(self.cfg))
     allowed = jnp.arange(s, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]  # [B, k, S]
     x2 = self.embed_tokens(tokens)
-    keys, values = [], []
+    keys, values, outputs = [], [], []
     for block, layer_keys, layer_values in zip(self.blocks, cache.keys, cache.values):
       q, new_k, new_v = block.project_qkv(x2, b, rope)  # new_k, new_v [B, k, K, D]
       layer_keys = _write_rows(layer_keys, new_k.transpose(0, 2, 1, 3), start)
@@ -473,10 +542,29 @@ class Transformer(nnx.Module):
       x2 = block.finish(x2, grouped_attention(q, layer_keys, layer_values, allowed).reshape(b * k, -1))
       keys.append(layer_keys)
       values.append(layer_values)
+      outputs.append(x2)
     hidden = rms_norm(x2, self.final_norm[...].astype(x2.dtype), self.cfg.rms_norm_eps).reshape(b, k, -1)
     added = k if num_new is None else jnp.clip(jnp.asarray(num_new, jnp.int32), 0, k)
     lengths = jnp.where(start + k <= s, start + added, start)  # a row without room was not written
-    return hidden, KVCache(tuple(keys), tuple(values), lengths)
+    cache = KVCache(tuple(keys), tuple(values), lengths)
+    if feature_layers:
+      return hidden, cache, layer_features(outputs, feature_layers, b)
+    return hidden, cache
+
+
+def layer_features(block_outputs: list[jax.Array], feature_layers: tuple[int, ...], batch: int) -> jax.Array:
+  """The residual stream after the blocks ``feature_layers`` (before any norm), concatenated.
+
+  ``block_outputs[i]`` is block ``i``'s output ``[B*T, E]``; returns ``[B, T, n*E]`` with ``n =
+  len(feature_layers)``, block ``feature_layers[j]``'s output in columns ``[j*E, (j+1)*E)``. These are the
+  low / middle / high features an EAGLE-3 drafter fuses (``lemon_rl.models.drafter``).
+  """
+  num_layers = len(block_outputs)
+  for i in feature_layers:
+    if not 0 <= i < num_layers:
+      raise ValueError(f"feature layer {i} is outside [0, {num_layers}) (blocks of this model)")
+  return jnp.concatenate([block_outputs[i].reshape(batch, -1, block_outputs[i].shape[-1])
+                          for i in feature_layers], axis=-1)
 
 
 def param_logical_axes(model: Transformer) -> Any:

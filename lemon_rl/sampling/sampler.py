@@ -24,6 +24,7 @@ from flax import nnx
 
 from lemon_rl.models.transformer import KVCache, Transformer
 from lemon_rl.sampling import distribution
+from lemon_rl.training import distributed
 
 
 class SampleOutput(NamedTuple):
@@ -155,6 +156,11 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], max_new_token
 
   The sampling distribution and the reported log-probs are those of
   :func:`lemon_rl.sampling.distribution.sampling_log_probs` with the same ``temperature, top_k, top_p``.
+
+  Multi-process (:mod:`lemon_rl.training.distributed`): each process passes its own prompts; they are rows of
+  one global batch on the active mesh (the prompt bucket is the longest prompt of any process; a process's
+  rows are padded with copies of its last prompt to a multiple of its batch slices) and each process gets
+  back its own rows. With one process this is the plain single-batch call.
   """
   if not prompts or any(len(p) == 0 for p in prompts):
     raise ValueError("generate needs at least one prompt and every prompt needs at least one token")
@@ -163,17 +169,20 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], max_new_token
   if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
     raise ValueError(f"invalid sampling parameters temperature={temperature}, top_k={top_k}, top_p={top_p}")
   eos = eos_array(eos_ids)
-  prompt_len = prompt_bucket(max(len(p) for p in prompts), min_prompt_bucket)
+  num_prompts = len(prompts)
+  prompts = list(prompts) + [prompts[-1]] * (-num_prompts % distributed.row_multiple())
+  prompt_len = prompt_bucket(distributed.global_max(max(len(p) for p in prompts)), min_prompt_bucket)
   ids, mask = right_pad(prompts, prompt_len, pad_id)
   graphdef, state = nnx.split(model)
   greedy = temperature == 0
-  logits, cache = _prefill(graphdef, state, jnp.asarray(ids), jnp.asarray(mask),
-                           num_slots=prompt_len + max_new_tokens)
+  ids, mask = distributed.to_global((ids, mask))
+  logits, cache = _prefill(graphdef, state, ids, mask, num_slots=prompt_len + max_new_tokens)
   tokens, logp, done, lengths, _ = _decode(
       graphdef, state, cache, logits, rng, jnp.float32(max(temperature, 1e-6)), jnp.int32(top_k),
       jnp.float32(top_p), jnp.asarray(eos), jnp.int32(pad_id),
       max_new_tokens=max_new_tokens, greedy=greedy, filtering=not greedy and (top_k > 0 or top_p < 1))
-  tokens, logp, done, lengths = jax.device_get((tokens, logp, done, lengths))
+  # This process's rows (never a read of rows another process holds), without the padding rows.
+  tokens, logp, done, lengths = (x[:num_prompts] for x in distributed.to_local((tokens, logp, done, lengths)))
   lengths = lengths.astype(np.int32)
   out_mask = (np.arange(max_new_tokens)[None] < lengths[:, None]).astype(np.int32)
   reasons = ["eos" if d else "length" for d in done]

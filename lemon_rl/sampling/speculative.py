@@ -37,11 +37,10 @@ temperature, top-k and top-p values are traced.
 
 The drafter is anything implementing :class:`Drafter` (three methods on a pytree state, called inside the
 jitted loop). :class:`ModelDrafter` implements it for a plain ``Transformer`` sharing the target's
-vocabulary (a small draft model); passing a ``Transformer`` as ``drafter`` wraps it. A feature-level
-(EAGLE-3-style) drafter implements the same three methods; ``rollback`` already receives the target's
-final-norm hidden states of the verified positions. What it will also need is the target's low/middle/high
-layer features of the prompt and of every verified position, which ``Transformer.prefill`` / ``extend``
-do not expose yet.
+vocabulary (a small draft model); passing a ``Transformer`` as ``drafter`` wraps it. A feature-level drafter
+(EAGLE-3 style, :class:`lemon_rl.models.drafter.EagleDrafter`) also names the target blocks it reads in a
+``feature_layers`` attribute; the engine then asks the target's prefill / verification pass for those
+blocks' outputs and hands them to the drafter (``target_features``, see :class:`Drafter`).
 """
 
 from __future__ import annotations
@@ -82,6 +81,13 @@ class Drafter(Protocol):
 
   ``state`` is any pytree (caches, pending tokens) threaded through the loop by the engine. ``B`` rows,
   ``K = num_draft``, ``V`` the target's vocabulary.
+
+  Feature-level drafters: a drafter whose (optional) ``feature_layers`` attribute is a non-empty tuple of
+  target block indices gets the target's outputs of those blocks (``Transformer.prefill`` / ``extend``
+  with ``feature_layers``, ``F = len(feature_layers) * E`` wide): :meth:`prefill` is called with the extra
+  keywords ``target_features [B, P, F]`` (every prompt position) and ``num_draft = K``, :meth:`rollback`
+  with ``target_features [B, K + 1, F]`` (the verified positions). Drafters without the attribute (or
+  with ``()``) are called exactly as documented below.
   """
 
   vocab_size: int
@@ -89,7 +95,8 @@ class Drafter(Protocol):
   def prefill(self, input_ids: jax.Array, attention_mask: jax.Array, num_slots: int) -> Any:
     """Reads the right-padded prompts ``[B, P]`` (as ``Transformer.prefill``); returns the initial state.
 
-    ``num_slots`` bounds the row length (prompt + completion + ``K``) the state must hold.
+    ``num_slots`` bounds the row length (prompt + completion + ``K``) the state must hold. Feature-level
+    drafters also receive ``target_features`` and ``num_draft`` (see the class docstring).
     """
 
   def propose(self, state: Any, last: jax.Array, key: jax.Array, num_draft: int, temperature, top_k,
@@ -113,6 +120,9 @@ class Drafter(Protocol):
         :meth:`propose`. ``0``: the row was inactive; restore its state from before :meth:`propose`.
       target_hidden: ``[B, K + 1, E]`` the target's final-norm hidden states of ``[last, d_1..d_K]``
         (for feature-level drafters; position ``j`` is valid for ``j < num_kept``).
+
+    Feature-level drafters also receive ``target_features [B, K + 1, F]``, the target's outputs of their
+    ``feature_layers`` at the same positions (see the class docstring).
     """
 
 
@@ -237,11 +247,21 @@ class SpeculativeOutput(NamedTuple):
     return SampleOutput(self.tokens, self.log_probs, self.mask, self.lengths, self.finish_reasons)
 
 
-@functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "num_slots"))
-def _prefill(target_def, target_vars, drafter_def, drafter_vars, ids, mask, num_slots):
+def _feature_layers(drafter) -> tuple[int, ...]:
+  """The target blocks a feature-level drafter reads (``()`` for any other drafter)."""
+  return tuple(getattr(drafter, "feature_layers", ()) or ())
+
+
+@functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "num_slots", "num_draft"))
+def _prefill(target_def, target_vars, drafter_def, drafter_vars, ids, mask, num_slots, num_draft=None):
   target, drafter = nnx.merge(target_def, target_vars), nnx.merge(drafter_def, drafter_vars)
-  hidden, cache = target.prefill(ids, mask, num_slots)
-  return target.logits_from_hidden(hidden), cache, drafter.prefill(ids, mask, num_slots)
+  layers = _feature_layers(drafter)
+  if not layers:
+    hidden, cache = target.prefill(ids, mask, num_slots)
+    return target.logits_from_hidden(hidden), cache, drafter.prefill(ids, mask, num_slots)
+  hidden, cache, features = target.prefill(ids, mask, num_slots, feature_layers=layers)
+  draft_state = drafter.prefill(ids, mask, num_slots, target_features=features, num_draft=num_draft)
+  return target.logits_from_hidden(hidden), cache, draft_state
 
 
 def verify(logits: jax.Array, drafts: jax.Array, q: jax.Array | None, key: jax.Array, temperature, top_k,
@@ -313,6 +333,7 @@ def _decode(target_def, target_vars, drafter_def, drafter_vars, cache: KVCache, 
     top_k, top_p = 0, 1.0  # statically off: no sort in the loop
   rows = jnp.arange(batch)[:, None]
   positions = jnp.arange(k + 1)
+  layers = _feature_layers(drafter)
 
   def is_eos(tokens):
     return jnp.any(tokens[..., None] == eos_ids, axis=-1)
@@ -335,8 +356,12 @@ def _decode(target_def, target_vars, drafter_def, drafter_vars, cache: KVCache, 
     active = ~hit_eos & (generated < n)
     rng, draft_key, verify_key = jax.random.split(rng, 3)
     drafts, q, draft_state = drafter.propose(draft_state, last, draft_key, k, temperature, top_k, top_p)
-    hidden, extended = target.extend(jnp.concatenate([last[:, None], drafts], axis=1), cache,
-                                     num_new=jnp.where(active, k + 1, 0))
+    window = jnp.concatenate([last[:, None], drafts], axis=1)
+    if layers:
+      hidden, extended, features = target.extend(window, cache, num_new=jnp.where(active, k + 1, 0),
+                                                 feature_layers=layers)
+    else:
+      hidden, extended = target.extend(window, cache, num_new=jnp.where(active, k + 1, 0))
     target_logits = target.logits_from_hidden(hidden)
     num_accepted, emitted, emitted_logp = verify(target_logits, drafts, q, verify_key, temperature, top_k,
                                                  top_p, resample_from_residual)
@@ -350,7 +375,10 @@ def _decode(target_def, target_vars, drafter_def, drafter_vars, cache: KVCache, 
     log_probs = log_probs.at[rows, write].set(emitted_logp, mode="drop")
     hit_eos = hit_eos | jnp.any(eos_here & (positions < kept[:, None]), axis=1)
     cache = extended.truncate(cache.lengths + kept)  # last and the kept tokens but the final one
-    draft_state = drafter.rollback(draft_state, kept, hidden)
+    if layers:
+      draft_state = drafter.rollback(draft_state, kept, hidden, target_features=features)
+    else:
+      draft_state = drafter.rollback(draft_state, kept, hidden)
     last_kept = jnp.take_along_axis(emitted, jnp.maximum(kept - 1, 0)[:, None], axis=1)[:, 0]
     last = jnp.where(kept > 0, last_kept, last)
     forwards, accepted, per_position = stats
@@ -388,7 +416,7 @@ def _run(target: Transformer, drafter: Transformer | Drafter, prompts: Sequence[
   target_def, target_vars = nnx.split(target)
   drafter_def, drafter_vars = nnx.split(drafter)
   logits, cache, draft_state = _prefill(target_def, target_vars, drafter_def, drafter_vars, jnp.asarray(ids),
-                                        jnp.asarray(mask), num_slots=num_slots)
+                                        jnp.asarray(mask), num_slots=num_slots, num_draft=num_draft)
   greedy = temperature == 0
   return _decode(target_def, target_vars, drafter_def, drafter_vars, cache, draft_state, logits, rng,
                  jnp.float32(max(temperature, 1e-6)), jnp.int32(top_k), jnp.float32(top_p),

@@ -12,6 +12,7 @@ from typing import Sequence
 import numpy as np
 
 from lemon_rl.sampling.sampler import left_pad, prompt_bucket
+from lemon_rl.training import distributed
 
 
 def build_sequences(prompts: Sequence[Sequence[int]], completions: np.ndarray, completion_mask: np.ndarray,
@@ -23,7 +24,8 @@ def build_sequences(prompts: Sequence[Sequence[int]], completions: np.ndarray, c
     completions: ``[N, L]`` completion ids (padding anywhere the mask is 0).
     completion_mask: ``[N, L]`` 1 on generated tokens.
     pad_id: padding id.
-    prompt_len: ``P`` (default: the sampler's bucket of the longest prompt).
+    prompt_len: ``P`` (default: the sampler's bucket of the longest prompt of any process, so that every
+      process builds the same shape).
 
   Returns:
     ``ids [N, T]``, ``attention_mask [N, T]`` and ``loss_mask [N, T-1]`` (1 where the target is a
@@ -32,7 +34,7 @@ def build_sequences(prompts: Sequence[Sequence[int]], completions: np.ndarray, c
   completions = np.asarray(completions, np.int32)
   completion_mask = np.asarray(completion_mask, np.int32)
   longest = max(len(x) for x in prompts)
-  p = prompt_len or prompt_bucket(longest)
+  p = prompt_len or prompt_bucket(distributed.global_max(longest))
   if longest > p:
     raise ValueError(f"a prompt of {longest} tokens does not fit prompt_len={p}")
   prompt_ids, prompt_mask = left_pad(prompts, p, pad_id)

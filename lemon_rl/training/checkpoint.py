@@ -21,8 +21,15 @@ middle of a save leaves a tmp directory and the previous step stays the latest; 
 on that directory deletes the tmp directory. orbax itself lists *any* integer-named directory as a step, even
 one without its commit marker (e.g. a half-copied directory), and then silently refuses to save steps below it;
 so :meth:`Checkpointer.latest_step` only considers committed steps, and on opening, uncommitted step directories
-are moved (never deleted) to ``<directory>/_uncommitted/``. :meth:`Checkpointer.restore` without a step falls
-back to the previous committed step, with a warning, if the latest one cannot be read.
+are moved (never deleted) to ``<directory>/_uncommitted/``.
+
+:meth:`Checkpointer.restore` without a step falls back to the previous committed step, with a warning, if the
+latest one cannot be read.
+
+Several processes (``jax.distributed``): every process creates the :class:`Checkpointer` on the same directory
+(a filesystem they all see) and calls ``save`` / ``restore`` with the same steps; orbax writes each process's
+shards and process 0 commits the step. A checkpoint restores under any number of processes and any mesh: the
+restore target's shardings decide what each process reads (``tests/test_multiprocess.py``).
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 _STATE = "state"
 _META = "metadata"
@@ -105,6 +113,8 @@ class Checkpointer:
     os.makedirs(self._directory, exist_ok=True)
     if jax.process_index() == 0:
       self._quarantine_uncommitted()
+    if jax.process_count() > 1:  # Every process then sees the same committed steps.
+      multihost_utils.sync_global_devices(f"checkpointer:{self._directory}")
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep, enable_async_checkpointing=async_save, cleanup_tmp_directories=True,
         save_interval_steps=save_interval_steps, create=True)

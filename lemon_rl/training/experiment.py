@@ -10,6 +10,12 @@ Each phase checkpoints into ``workdir/checkpoints/<phase>`` (parameters, optimiz
 data-iterator position, elapsed time). Re-running on the same ``workdir`` resumes from the latest committed
 checkpoint; a SIGTERM makes the run save a checkpoint at the end of the current step and exit with status 143.
 All randomness derives from ``(seed, step)``, so a resumed run reproduces an uninterrupted one exactly.
+
+Several processes (``jax.distributed`` started first, :mod:`lemon_rl.training.distributed`): every process
+runs this same loop on one global mesh; batch sizes in the config are global. Process 0 writes the config,
+metrics, progress bar and summary; process 0 builds the task's data first (the others then read it);
+checkpoints are written by all processes together (orbax, a filesystem every process sees). Once per step
+every process learns whether any received SIGTERM (the preemption sync point), so all save the same step.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from tqdm import tqdm
 from lemon_rl.envs.tasks import TASKS, Task
 from lemon_rl.eval import evaluate
 from lemon_rl.models import Transformer, activation_sharding, get_preset, make_mesh, shard_model
+from lemon_rl.training import distributed
 from lemon_rl.training.checkpoint import Checkpointer
 from lemon_rl.training.config_validation import validate_config
 from lemon_rl.training.metrics import MetricsWriter, plot_curves, read_records
@@ -108,7 +115,8 @@ class _PhaseRunner:
       logging.info("%s: resumed from step %d", self.name, start)
     if start == 0 and eval_every:
       self._evaluate(state, 0, phase.evaluate)
-    bar = tqdm(total=steps, initial=start, desc=self.name, dynamic_ncols=True, mininterval=1.0)
+    bar = tqdm(total=steps, initial=start, desc=self.name, dynamic_ncols=True, mininterval=1.0,
+               disable=not distributed.is_main())
     for step in range(start + 1, steps + 1):
       t0 = time.perf_counter()
       state, metrics = phase.step(state, rows(next(iterator)))
@@ -121,13 +129,15 @@ class _PhaseRunner:
       bar.set_postfix({k.split("/")[-2] if k.count("/") > 1 else k.split("/")[-1]: f"{record[k]:.3g}"
                        for k in phase.progress_keys if isinstance(record.get(k), float)}, refresh=False)
       bar.update(1)
-      if step % self.config.checkpoint.every == 0 or step == steps or self.sigterm.raised:
+      stop = distributed.global_any(self.sigterm.raised)  # Preemption sync point: any process's SIGTERM.
+      if step % self.config.checkpoint.every == 0 or step == steps or stop:
         self.ckpt.save(step, state, {"data": iterator.get_state(), "phase_step": step, "elapsed_s": elapsed})
-      if self.sigterm.raised:
+      if stop:
         self.ckpt.wait_until_finished()
         self.writer.flush()
         bar.close()
-        raise Preempted(f"{self.name}: SIGTERM received; checkpoint saved at step {step}")
+        raise Preempted(f"{self.name}: SIGTERM received{' by a process' if not self.sigterm.raised else ''}; "
+                        f"checkpoint saved at step {step}")
     bar.close()
     self.ckpt.wait_until_finished()
     self.writer.flush()
@@ -151,13 +161,18 @@ def run(config, workdir: str, final_eval: Callable[[nnx.Module, Task], dict[str,
   ``final_eval``.
   """
   validate_config(config)
+  distributed.check_supported(config)
   os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(config.to_json_best_effort(indent=2))
-  task: Task = TASKS.get(config.task.name)(config.task, config.data_dir or os.path.join(workdir, "data"))
+  if distributed.is_main():
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2))
+  with distributed.main_process_first("build_task"):  # Process 0 prepares the data on disk.
+    task: Task = TASKS.get(config.task.name)(config.task, config.data_dir or os.path.join(workdir, "data"))
+  distributed.check_supported(config, task)
   mesh = make_mesh(**config.mesh)
   model = shard_model(build_model(config, task.tokenizer.vocab_size), mesh)
-  writer = MetricsWriter(workdir, tensorboard=config.tensorboard)
+  writer = MetricsWriter(workdir, tensorboard=config.tensorboard) if distributed.is_main() else \
+      distributed.MetricsSink()
   graphdef = nnx.graphdef(model)
   test = task.test_examples[:config.eval.num_examples]
 
@@ -178,7 +193,12 @@ def run(config, workdir: str, final_eval: Callable[[nnx.Module, Task], dict[str,
       phase.finish(state)
     final = final_eval(model, task) if final_eval is not None else None
   writer.close()
-  return summarize(workdir, config, phase_times, final)
+  summary = summarize(workdir, config, phase_times, final) if distributed.is_main() else None
+  distributed.barrier("summary")
+  if summary is None:  # The other processes return process 0's summary.
+    with open(os.path.join(workdir, "summary.json")) as f:
+      summary = json.load(f)
+  return summary
 
 
 def summarize(workdir: str, config, phase_times: dict[str, float],

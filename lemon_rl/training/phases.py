@@ -27,6 +27,7 @@ from flax import nnx
 
 from lemon_rl.data.pipeline import BatchIterator
 from lemon_rl.envs.tasks import Task
+from lemon_rl.training import distributed
 from lemon_rl.training import fest as fest_lib
 from lemon_rl.training import rl as rl_lib
 from lemon_rl.training import state as state_lib
@@ -135,7 +136,8 @@ def _sft_phase(ctx: PhaseContext, section, source, max_completion_len: int, micr
   graphdef, state = state_lib.create_train_state(ctx.model, optimizer, ctx.config.seed + seed_offset)
   trainer = SFTTrainer(graphdef, optimizer, ctx.task.tokenizer, max_completion_len, microbatch_size,
                        ctx.task.prompt_len)
-  iterator = BatchIterator(source, batch_size=section.batch_size, seed=ctx.config.seed)
+  # This process's share of each global batch (all of it with one process).
+  iterator = BatchIterator(source, seed=ctx.config.seed, **distributed.iterator_shard(section.batch_size))
   return policy_phase(ctx, state, iterator, trainer, section.steps, section.eval_every,
                       ("train/loss", "eval/accuracy"))
 
@@ -203,7 +205,7 @@ def grpo_trainer(ctx: PhaseContext, graphdef, optimizer):
     rewards, iterator = task.prepare_rl(ctx.model, task.tokenizer, ctx.workdir, cfg)
   else:
     rewards = task.rewards
-    iterator = BatchIterator(task.rl_source, batch_size=rl.prompts_per_step, seed=cfg.seed)
+    iterator = BatchIterator(task.rl_source, seed=cfg.seed, **distributed.iterator_shard(rl.prompts_per_step))
   ref_params = _frozen_params(ctx.model) if rl.kl_coef else None
   return rl_lib.RLTrainer(graphdef, optimizer, task.tokenizer, rewards, rl, ref_params=ref_params,
                    prompt_len=task.prompt_len), iterator

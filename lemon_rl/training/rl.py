@@ -8,6 +8,11 @@ learner scores tokens under the sampling distribution (temperature, top-k, top-p
 With ``rl.dynamic_sampling`` the rollout drops groups without reward variance and refills the batch
 (:func:`lemon_rl.training.rollout.collect_dynamic_rollout`); with ``rl.skip_zero_signal`` a batch without
 signal makes no optimizer update (:func:`lemon_rl.training.rollout.rollout_and_update`).
+
+Several processes: each process's rollout rows become its rows of one global batch
+(:func:`lemon_rl.training.distributed.to_global`); minibatches are drawn from the global batch by global row
+index on the devices (:func:`lemon_rl.training.distributed.take_rows`), so the updates do not depend on the
+number of processes; ``rl.prompts_per_step`` and ``rl.minibatch_size`` count global prompts and rows.
 """
 
 from __future__ import annotations
@@ -17,7 +22,6 @@ import time
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -26,6 +30,7 @@ from lemon_rl.losses import advantages as advantages_lib
 from lemon_rl.losses import policy_gradient as pg
 from lemon_rl.losses.surrogate import SurrogateSettings, surrogate_fields_from_config
 from lemon_rl.rewards.combine import WeightedReward
+from lemon_rl.training import distributed
 from lemon_rl.training import rollout as rollout_lib
 from lemon_rl.training import state as state_lib
 from lemon_rl.training.rollout import Rollout, SamplingSettings
@@ -175,24 +180,25 @@ class RLTrainer:
                                             cfg, key, prompt_len=self.prompt_len)
     batch = rollout.batch
     t0 = time.perf_counter()
-    ids, attn = jnp.asarray(batch["ids"]), jnp.asarray(batch["attention_mask"])
-    rows = batch["ids"].shape[0]
+    ids, attn = distributed.to_global((batch["ids"], batch["attention_mask"]))
+    rows = ids.shape[0]  # Of the global batch.
     sampling = self.loss.sampling
     if cfg.num_iterations > 1 or (cfg.minibatch_size or rows) < rows:  # Off-policy after the first update.
-      batch["old_logp"] = np.asarray(rollout_lib.sequence_token_log_probs(self.graphdef, state.params, ids, attn,
-                                                                          sampling))
+      batch["old_logp"] = distributed.to_local(rollout_lib.sequence_token_log_probs(
+          self.graphdef, state.params, ids, attn, sampling))
     if self.ref_params is not None:
-      batch["ref_logp"] = np.asarray(rollout_lib.sequence_token_log_probs(self.graphdef, self.ref_params, ids,
-                                                                          attn, sampling))
+      batch["ref_logp"] = distributed.to_local(rollout_lib.sequence_token_log_probs(
+          self.graphdef, self.ref_params, ids, attn, sampling))
     if not self.loss.tis_cap:
       del batch["sampler_logp"]
     rollout.metrics["time/logprob_s"] = time.perf_counter() - t0
     return rollout
 
   def update(self, state: TrainState, rollout: Rollout) -> tuple[TrainState, dict[str, float]]:
-    """``num_iterations`` passes over shuffled minibatches of the rollout."""
+    """``num_iterations`` passes over shuffled minibatches of the rollout (of its global batch)."""
     cfg = self.cfg
-    n = rollout.batch["ids"].shape[0]
+    batch = distributed.to_global(rollout.batch)
+    n = batch["ids"].shape[0]
     mb = cfg.minibatch_size or n
     if n % mb or mb % cfg.microbatch_size:
       raise ValueError(f"rollout of {n} rows, rl.minibatch_size={mb} and rl.microbatch_size="
@@ -202,8 +208,7 @@ class RLTrainer:
     for _ in range(cfg.num_iterations):
       order = rng.permutation(n) if mb < n else np.arange(n)
       for start in range(0, n, mb):
-        idx = order[start:start + mb]
-        minibatch = {k: jnp.asarray(v[idx]) for k, v in rollout.batch.items()}
+        minibatch = batch if mb == n else distributed.take_rows(batch, order[start:start + mb])
         state, values = state_lib.update_step(
             self.graphdef, state, minibatch, loss_fn=self.loss, optimizer=self.optimizer,
             num_microbatches=mb // cfg.microbatch_size)

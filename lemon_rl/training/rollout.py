@@ -14,6 +14,11 @@ DAPO) drops the groups whose rewards are all equal and refills the batch from th
 
 The policy the learner scores is the distribution the sampler sampled from (:class:`SamplingSettings`):
 temperature, then top-k, then top-p, as :mod:`lemon_rl.sampling.distribution` defines it once for both.
+
+Several processes (:mod:`lemon_rl.training.distributed`): each process samples its own prompts (every group
+in one process), decodes and rewards its own completions; the rewards are then gathered, so advantages
+(batch-normalised ones included) and every logged reward, length and advantage statistic are those of the
+global batch, and each process keeps its own rows. With one process nothing is gathered.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from lemon_rl.losses import advantages as advantages_lib
 from lemon_rl.rewards.combine import WeightedReward, compute_rewards
 from lemon_rl.sampling import generate, sampling_log_probs
 from lemon_rl.text.decoding import decode_completion, encode_prompt
+from lemon_rl.training import distributed
 from lemon_rl.training.batches import build_sequences, completion_to_targets
 
 # Fields of an example that are not reward-function keyword arguments.
@@ -187,20 +193,37 @@ def _sample(graphdef, params, tokenizer, examples: Sequence[Mapping[str, Any]], 
   completions = [decode_completion(tokenizer, ids) for ids in completion_ids]
   skip = {PROMPT_KEY, *exclude_fields}
   fields = {k: [ex[k] for ex in examples for _ in range(g)] for k in examples[0] if k not in skip}
-  total, reward_metrics, _ = compute_rewards(rewards, prompt_texts, completions, completion_ids, fields)
+  total, reward_metrics, per_fn = compute_rewards(rewards, prompt_texts, completions, completion_ids, fields)
+  reward_metrics = _global_reward_metrics(reward_metrics, total, per_fn)
   return _Samples(prompt_ids, np.asarray(out.tokens), np.asarray(out.mask), np.asarray(out.log_probs),
                   np.asarray(out.lengths), list(out.finish_reasons), completions, total, reward_metrics,
                   sample_time)
 
 
+def _global_reward_metrics(metrics: dict[str, float], total: np.ndarray, per_fn: Mapping[str, np.ndarray]
+                           ) -> dict[str, float]:
+  """:func:`compute_rewards`' metrics over every process's rows (the identity with one process): the mean and
+  std of the total and of each function from the gathered rewards, error counts summed, the functions' other
+  metrics averaged over the processes' equal shards."""
+  if distributed.process_count() == 1:
+    return metrics
+  out = distributed.mean_over_processes(metrics, sums=[k for k in metrics if k.endswith("errors")])
+  for name, values in [("total", total), *per_fn.items()]:
+    everyone = distributed.gather_rows(np.asarray(values, np.float32))
+    out[f"reward/{name}/mean"], out[f"reward/{name}/std"] = float(everyone.mean()), float(everyone.std())
+  return out
+
+
 def _sample_metrics(samples: _Samples, g: int) -> dict[str, float]:
-  """Reward, group, length and timing scalars of sampled rows."""
-  lengths = samples.lengths.astype(np.float32)
+  """Reward, group, length and timing scalars of sampled rows (of every process's rows)."""
+  lengths = distributed.gather_rows(samples.lengths.astype(np.float32))
   metrics = dict(samples.reward_metrics)
-  metrics.update(group_statistics(samples.rewards, np.repeat(np.arange(len(lengths) // g), g)))
+  metrics.update(group_statistics(distributed.gather_rows(samples.rewards),
+                                  np.repeat(np.arange(len(lengths) // g), g)))
+  eos = distributed.gather_rows(np.asarray([r == "eos" for r in samples.finish_reasons]))
   metrics.update({
       "completion_length/mean": float(lengths.mean()), "completion_length/max": float(lengths.max()),
-      "finished_with_eos": float(np.mean([r == "eos" for r in samples.finish_reasons])),
+      "finished_with_eos": float(np.mean(eos)),
       "time/sample_s": samples.sample_time,
       "sample_tokens_per_s": float(lengths.sum() / max(samples.sample_time, 1e-9)),
   })
@@ -212,21 +235,26 @@ def _assemble(samples: _Samples, cfg, tokenizer, prompt_len: int | None, metrics
   """Advantages and the ``[P | L]`` sequence layout of ``samples``; ``real [N]`` marks rows that are not
   padding (padding rows get no loss-mask token and advantage 0, and no advantage statistic counts them)."""
   g = cfg.num_generations
-  num_groups = len(samples.prompt_ids) // g
-  group_ids = np.repeat(np.arange(num_groups), g).astype(np.int32)
+  group_ids = np.repeat(np.arange(len(samples.prompt_ids) // g), g).astype(np.int32)
   mask = samples.mask if real is None else samples.mask * real[:, None]
+  # Advantages of the global batch (every process's rewards, in process order), then this process's rows.
+  all_rewards = distributed.gather_rows(samples.rewards)
+  all_real = None if real is None else distributed.gather_rows(real)
+  num_groups = len(all_rewards) // g
+  all_group_ids = np.repeat(np.arange(num_groups), g).astype(np.int32)
   estimator = advantages_lib.ADVANTAGE_ESTIMATORS.get(cfg.advantage_estimator)
-  valid = {} if real is None else {"valid": jnp.asarray(real)}
-  advantages = np.asarray(estimator(jnp.asarray(samples.rewards), jnp.asarray(group_ids), num_groups, **valid),
-                          np.float32)
+  valid = {} if real is None else {"valid": jnp.asarray(all_real)}
+  all_advantages = np.asarray(estimator(jnp.asarray(all_rewards), jnp.asarray(all_group_ids), num_groups, **valid),
+                              np.float32)
+  advantages = distributed.local_block(all_advantages)
   batch = build_sequences(samples.prompt_ids, samples.tokens, mask, tokenizer.pad_id, prompt_len)
   p = batch["ids"].shape[1] - cfg.max_new_tokens
   batch["sampler_logp"] = completion_to_targets(samples.log_probs * mask, p).astype(np.float32)
   batch["advantages"] = advantages
-  rows = real.astype(bool) if real is not None and real.any() else slice(None)  # All padding: zeros.
-  a = advantages[rows]
+  rows = all_real.astype(bool) if real is not None and all_real.any() else slice(None)  # All padding: zeros.
+  a = all_advantages[rows]
   metrics = dict(metrics)
-  metrics.update(advantage_variance(samples.rewards[rows], a, group_ids[rows]))
+  metrics.update(advantage_variance(all_rewards[rows], a, all_group_ids[rows]))
   metrics.update({"advantage/mean": float(a.mean()), "advantage/std": float(a.std()),
                   "advantage/min": float(a.min()), "advantage/max": float(a.max())})
   return Rollout(samples.prompt_ids, batch, samples.rewards, advantages, group_ids, samples.completions, metrics)
@@ -291,6 +319,8 @@ def collect_dynamic_rollout(graphdef, params, tokenizer, examples: Sequence[Mapp
     refill: returns the next examples (a batch of the phase's iterator).
     max_rounds: the most extra sampling rounds (0: drop without refilling).
   """
+  if distributed.process_count() > 1:
+    raise NotImplementedError("dynamic sampling with several processes: its refill decisions are per process")
   g, target = cfg.num_generations, len(examples)
   rounds = [_sample(graphdef, params, tokenizer, examples, rewards, cfg, rng, exclude_fields)]
   kept = [np.flatnonzero(group_has_variance(rounds[0].rewards, g))]
@@ -343,7 +373,7 @@ def zero_signal(trainer, rollout: Rollout) -> bool:
   no term that does not vanish with them (``trainer.signal_without_variance``: a KL or entropy term, FEST's
   expert term). The registered outcome estimators give exactly 0 to every row of a group whose rewards are
   all equal, so the advantages all vanish exactly when no group has reward variance."""
-  return not trainer.signal_without_variance and not np.any(rollout.advantages)
+  return not trainer.signal_without_variance and not distributed.global_any(np.any(rollout.advantages))
 
 
 def rollout_and_update(trainer, state, examples: Sequence[Mapping[str, Any]],
@@ -381,7 +411,8 @@ def rollout_and_update(trainer, state, examples: Sequence[Mapping[str, Any]],
   t2 = time.perf_counter()
   metrics = dict(rollout.metrics, **update_metrics)
   metrics.update({"time/update_s": t2 - t1, "time/step_s": t2 - t0,
-                  "tokens_per_s": (0.0 if skip else trained_tokens(rollout)) / max(t2 - t0, 1e-9)})
+                  "tokens_per_s": (0.0 if skip else distributed.global_sum(trained_tokens(rollout))) /
+                                  max(t2 - t0, 1e-9)})
   if aware:
     metrics.update({"rl/zero_signal": float(no_signal), "rl/skipped_zero_signal": float(skip),
                     "rl/skipped_zero_signal_total": float(trainer.zero_signal_skips)})

@@ -17,6 +17,7 @@ from flax import nnx
 from lemon_rl import ops
 from lemon_rl.losses import policy_gradient as pg
 from lemon_rl.text.decoding import encode_prompt
+from lemon_rl.training import distributed
 from lemon_rl.training import state as state_lib
 from lemon_rl.training.batches import build_sequences, pad_completions
 from lemon_rl.training.state import TrainState
@@ -58,12 +59,12 @@ class SFTTrainer:
 
   def step(self, state: TrainState, examples: Sequence[Mapping[str, Any]]):
     batch = sft_batch(self.tokenizer, examples, self.max_completion_len, self.prompt_len)
+    tokens = distributed.global_sum(float(batch["loss_mask"].sum()))
+    batch = distributed.to_global(batch)  # This process's examples are its rows of the global batch.
     n = batch["ids"].shape[0]
     micro = self.microbatch_size or n
     if n % micro:
       raise ValueError(f"SFT batch of {n} is not a multiple of microbatch_size={micro}")
-    state, values = state_lib.update_step(self.graphdef, state, {k: jax.numpy.asarray(v) for k, v in batch.items()},
-                                          loss_fn=self.loss, optimizer=self.optimizer,
+    state, values = state_lib.update_step(self.graphdef, state, batch, loss_fn=self.loss, optimizer=self.optimizer,
                                           num_microbatches=n // micro)
-    tokens = float(batch["loss_mask"].sum())
     return state, {f"train/{k}": v for k, v in values.items()}, tokens
