@@ -43,8 +43,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lemon_rl.models.config import ModelConfig
-from lemon_rl.models.transformer import (KVCache, Transformer, _write_rows, causal_attention, grouped_attention,
-                                         rms_norm, rope_inverse_frequencies, rope_tables, rotate)
+from lemon_rl.models.transformer import (KVCache, Transformer, causal_attention, grouped_attention, init_param,
+                                         rms_norm, rope_inverse_frequencies, rope_tables, rotate, write_rows)
 from lemon_rl.sampling.speculative import draw
 
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -66,16 +66,6 @@ def shift_left(x: jax.Array, n: int) -> jax.Array:
   t = x.shape[1]
   pad = jnp.zeros((x.shape[0], min(n, t), *x.shape[2:]), x.dtype)
   return jnp.concatenate([x[:, n:], pad], axis=1)
-
-
-def _param(rngs: nnx.Rngs, shape, cfg: ModelConfig, logical_axes, init="normal") -> nnx.Param:
-  if init == "normal":
-    value = cfg.initializer_range * jax.random.normal(rngs.params(), shape, jnp.float32)
-  elif init == "ones":
-    value = jnp.ones(shape, jnp.float32)
-  else:
-    value = jnp.zeros(shape, jnp.float32)
-  return nnx.Param(value.astype(cfg.jnp_param_dtype), logical_axes=logical_axes)
 
 
 class EagleHead(nnx.Module):
@@ -103,16 +93,16 @@ class EagleHead(nnx.Module):
     self.feature_layers = layers
     e, d, f = cfg.hidden_size, cfg.head_dim, cfg.mlp_dim
     qkv_width = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
-    self.fuse = _param(rngs, (len(layers) * e, e), cfg, (None, "embed"))
-    self.embed_norm = _param(rngs, (e,), cfg, ("embed",), init="ones")
-    self.feature_norm = _param(rngs, (e,), cfg, ("embed",), init="ones")
-    self.qkv = _param(rngs, (2 * e, qkv_width), cfg, ("embed", "heads"))
-    self.qkv_bias = _param(rngs, (qkv_width,), cfg, ("heads",), init="zeros") if cfg.qkv_bias else None
-    self.out = _param(rngs, (cfg.num_heads * d, e), cfg, ("heads", "embed"))
-    self.mlp_norm = _param(rngs, (e,), cfg, ("embed",), init="ones")
-    self.gate_up = _param(rngs, (e, 2 * f), cfg, ("embed", "mlp"))
-    self.down = _param(rngs, (f, e), cfg, ("mlp", "embed"))
-    self.final_norm = _param(rngs, (e,), cfg, ("embed",), init="ones")
+    self.fuse = init_param(rngs, (len(layers) * e, e), cfg, (None, "embed"))
+    self.embed_norm = init_param(rngs, (e,), cfg, ("embed",), init="ones")
+    self.feature_norm = init_param(rngs, (e,), cfg, ("embed",), init="ones")
+    self.qkv = init_param(rngs, (2 * e, qkv_width), cfg, ("embed", "heads"))
+    self.qkv_bias = init_param(rngs, (qkv_width,), cfg, ("heads",), init="zeros") if cfg.qkv_bias else None
+    self.out = init_param(rngs, (cfg.num_heads * d, e), cfg, ("heads", "embed"))
+    self.mlp_norm = init_param(rngs, (e,), cfg, ("embed",), init="ones")
+    self.gate_up = init_param(rngs, (e, 2 * f), cfg, ("embed", "mlp"))
+    self.down = init_param(rngs, (f, e), cfg, ("mlp", "embed"))
+    self.final_norm = init_param(rngs, (e,), cfg, ("embed",), init="ones")
 
   def spec(self) -> dict[str, Any]:
     """The constructor arguments beyond the target's config (JSON-serialisable, for checkpoints)."""
@@ -203,8 +193,8 @@ class EagleHead(nnx.Module):
     positions = start[:, None] + jnp.arange(k, dtype=jnp.int32)
     allowed = jnp.arange(s, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
     q, new_k, new_v = self._qkv(embeds.reshape(b * k, -1), hidden.reshape(b * k, -1), b, self._rope(positions))
-    keys = _write_rows(cache.keys[0], new_k.transpose(0, 2, 1, 3), start)
-    values = _write_rows(cache.values[0], new_v.transpose(0, 2, 1, 3), start)
+    keys = write_rows(cache.keys[0], new_k.transpose(0, 2, 1, 3), start)
+    values = write_rows(cache.values[0], new_v.transpose(0, 2, 1, 3), start)
     out = self._finish(hidden.reshape(b * k, -1), grouped_attention(q, keys, values, allowed).reshape(b * k, -1))
     added = k if num_new is None else jnp.clip(jnp.asarray(num_new, jnp.int32), 0, k)
     lengths = jnp.where(start + k <= s, start + added, start)

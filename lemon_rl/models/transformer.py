@@ -33,7 +33,7 @@ from lemon_rl.models.sharding import constrain, tree_shardings
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def _param(rngs: nnx.Rngs, shape, cfg: ModelConfig, logical_axes, init="normal") -> nnx.Param:
+def init_param(rngs: nnx.Rngs, shape, cfg: ModelConfig, logical_axes, init="normal") -> nnx.Param:
   if init == "normal":
     value = cfg.initializer_range * jax.random.normal(rngs.params(), shape, jnp.float32)
   elif init == "ones":
@@ -87,7 +87,7 @@ class KVCache(NamedTuple):
     return KVCache(tuple(map(rep, self.keys)), tuple(map(rep, self.values)), rep(self.lengths))
 
 
-def _write_rows(buffer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+def write_rows(buffer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
   """``buffer[b, :, start[b]:start[b]+k] = new[b]`` for every row; ``buffer [B, K, S, D]``, ``new [B, K, k, D]``.
 
   One scatter whose windows are whole rows (as ``vmap`` of ``dynamic_update_slice`` lowers to) but in
@@ -316,18 +316,18 @@ class Block(nnx.Module):
     self.cfg = cfg
     e, d, f = cfg.hidden_size, cfg.head_dim, cfg.mlp_dim
     qkv_width = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
-    self.attn_norm = _param(rngs, (e,), cfg, ("embed",), init="ones")
+    self.attn_norm = init_param(rngs, (e,), cfg, ("embed",), init="ones")
     # Fused layouts split on whole KV groups / MLP columns (see `group_qkv`); drawn in the concatenated
     # layout and rearranged, so a seed gives the same function as the former [q | k | v], [gate | up] ones.
-    self.qkv = _grouped(_param(rngs, (e, qkv_width), cfg, None), cfg, ("embed", *_QKV_AXES))
-    self.qkv_bias = (_grouped(_param(rngs, (qkv_width,), cfg, None, init="zeros"), cfg, _QKV_AXES)
+    self.qkv = _grouped(init_param(rngs, (e, qkv_width), cfg, None), cfg, ("embed", *_QKV_AXES))
+    self.qkv_bias = (_grouped(init_param(rngs, (qkv_width,), cfg, None, init="zeros"), cfg, _QKV_AXES)
                      if cfg.qkv_bias else None)
-    out = _param(rngs, (cfg.num_heads * d, e), cfg, None)[...]  # [H, D, E]: split on whole query heads.
+    out = init_param(rngs, (cfg.num_heads * d, e), cfg, None)[...]  # [H, D, E]: split on whole query heads.
     self.out = nnx.Param(out.reshape(cfg.num_heads, d, e), logical_axes=("heads", "head_dim", "embed"))
-    self.mlp_norm = _param(rngs, (e,), cfg, ("embed",), init="ones")
-    gate_up = _param(rngs, (e, 2 * f), cfg, None)[...].reshape(e, 2, f)  # [gate | up] -> [E, F, 2]
+    self.mlp_norm = init_param(rngs, (e,), cfg, ("embed",), init="ones")
+    gate_up = init_param(rngs, (e, 2 * f), cfg, None)[...].reshape(e, 2, f)  # [gate | up] -> [E, F, 2]
     self.gate_up = nnx.Param(gate_up.transpose(0, 2, 1), logical_axes=("embed", "mlp", None))
-    self.down = _param(rngs, (f, e), cfg, ("mlp", "embed"))
+    self.down = init_param(rngs, (f, e), cfg, ("mlp", "embed"))
 
   def project_qkv(self, x2: jax.Array, batch: int, rope: tuple[jax.Array, jax.Array]):
     """``x2 [B*T, E]`` -> rotated ``q [B, T, H, D]``, rotated ``k [B, T, K, D]``, ``v [B, T, K, D]``.
@@ -373,11 +373,11 @@ class Transformer(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
     e, v = cfg.hidden_size, cfg.vocab_size
-    self.embed = _param(rngs, (v, e), cfg, ("vocab", "embed"))
+    self.embed = init_param(rngs, (v, e), cfg, ("vocab", "embed"))
     self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
-    self.final_norm = _param(rngs, (e,), cfg, ("embed",), init="ones")
-    self.lm_head = None if cfg.tie_embeddings else _param(rngs, (e, v), cfg, ("embed", "vocab"))
-    self.value_head = _param(rngs, (e, 1), cfg, ("embed", None), init="zeros") if cfg.value_head else None
+    self.final_norm = init_param(rngs, (e,), cfg, ("embed",), init="ones")
+    self.lm_head = None if cfg.tie_embeddings else init_param(rngs, (e, v), cfg, ("embed", "vocab"))
+    self.value_head = init_param(rngs, (e, 1), cfg, ("embed", None), init="zeros") if cfg.value_head else None
 
   # -- pieces shared by the full-sequence and the cached paths ------------------------------------------
 
@@ -537,8 +537,8 @@ class Transformer(nnx.Module):
     keys, values, outputs = [], [], []
     for block, layer_keys, layer_values in zip(self.blocks, cache.keys, cache.values):
       q, new_k, new_v = block.project_qkv(x2, b, rope)  # new_k, new_v [B, k, K, D]
-      layer_keys = _write_rows(layer_keys, new_k.transpose(0, 2, 1, 3), start)
-      layer_values = _write_rows(layer_values, new_v.transpose(0, 2, 1, 3), start)
+      layer_keys = write_rows(layer_keys, new_k.transpose(0, 2, 1, 3), start)
+      layer_values = write_rows(layer_values, new_v.transpose(0, 2, 1, 3), start)
       x2 = block.finish(x2, grouped_attention(q, layer_keys, layer_values, allowed).reshape(b * k, -1))
       keys.append(layer_keys)
       values.append(layer_values)
