@@ -5,9 +5,19 @@ benchmark model (vocab 512, d 256, 4 layers, 8 heads, 4 KV heads, MLP 1024). Pre
 separately (for ``transformers``: one cached forward over the prompt, and ``generate`` minus that).
 Each figure is the best of ``--repeats`` runs after a warm-up (compilation excluded).
 
-    python benchmarks/sampler.py [--repeats 3] [--batches 1,8,32] [--cpus N]
+Long-prompt groups (GRPO's layout, shared prompt prefixes): 8 distinct prompts of 512 tokens, each repeated
+``G = 8`` times (batch 64), 128 new tokens, greedy. lemon_rl's ``generate`` prefills each distinct prompt once
+and shares its cache across its ``G`` rows; reported are that prefill (8 rows) against prefilling all 64 rows
+(the path taken when no prompt repeats), and the whole ``generate`` call against ``transformers``
+``generate`` on the same 64 rows (which prefills every row).
 
-The last three lines read ``sampler_speedup_vs_transformers_b{1,8,32}=<ratio>`` (new tokens/s, end to end).
+    python benchmarks/sampler.py [--repeats 3] [--batches 1,8,32] [--cases batches,group] [--cpus N]
+        [--group-prompt 512 --group-new 128 --group-prompts 8 --group-size 8]
+
+The header and footer (machine, ISA, versions, matmul peak, load) come from ``benchmarks/conditions.py``.
+The last lines read ``sampler_speedup_vs_transformers_b{1,8,32}=<ratio>`` (new tokens/s, end to end), then
+``sampler_group_prefill_speedup=<ratio>`` (prefill of every row / shared prefill) and
+``sampler_group_speedup_vs_transformers=<ratio>`` (whole call, new tokens/s) for the group case.
 """
 
 from __future__ import annotations
@@ -15,10 +25,10 @@ from __future__ import annotations
 if __name__ == "__main__":
   from cpus import restrict_cpus_from_argv  # pylint: disable=g-import-not-at-top
   restrict_cpus_from_argv()
+  import conditions  # pylint: disable=g-import-not-at-top,unused-import  (load baseline before the imports)
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import argparse
-import os
 import tempfile
 import time
 
@@ -29,6 +39,7 @@ import torch
 import transformers
 from flax import nnx
 
+import conditions
 from lemon_rl.models import Transformer, get_preset, to_hf
 from lemon_rl.sampling import sampler as sampler_lib
 
@@ -77,29 +88,89 @@ def time_hf(hf_model, prompts, repeats):
   return best_time(prefill, repeats), best_time(full, repeats)
 
 
+def time_group(model, hf_model, prompt_len, new_tokens, num_prompts, group_size, repeats):
+  """The long-prompt group case; returns ``{name: (prefill s, whole call s)}`` and whether tokens agree."""
+  rng = np.random.default_rng(1)
+  distinct = rng.integers(1, model.cfg.vocab_size, size=(num_prompts, prompt_len)).tolist()
+  prompts = [p for p in distinct for _ in range(group_size)]  # Each prompt's G rows consecutive (GRPO).
+  bucket = sampler_lib.prompt_bucket(prompt_len)
+  slots = bucket + new_tokens
+  graphdef, state = nnx.split(model)
+  unique, rows = sampler_lib.distinct_prompts(prompts)
+  assert len(unique) == num_prompts
+  shared_ids, shared_mask = (jnp.asarray(x) for x in sampler_lib.right_pad(unique, bucket, 0))
+  all_ids, all_mask = (jnp.asarray(x) for x in sampler_lib.right_pad(prompts, bucket, 0))
+  rows = jnp.asarray(rows)
+  outputs = {}
+
+  def shared_prefill():
+    return jax.block_until_ready(
+        sampler_lib._prefill_shared(graphdef, state, shared_ids, shared_mask, rows, num_slots=slots))
+
+  def every_row_prefill():
+    return jax.block_until_ready(sampler_lib._prefill(graphdef, state, all_ids, all_mask, num_slots=slots))
+
+  def lemon_call(share):
+    def call():
+      outputs[share] = sampler_lib.generate(model, prompts, new_tokens, jax.random.key(0), temperature=0.0,
+                                            share_prefixes=share)
+      assert outputs[share].tokens.shape == (len(prompts), new_tokens)
+    return call
+
+  hf_ids = torch.tensor(prompts)
+
+  def hf_prefill():
+    with torch.no_grad():
+      hf_model(input_ids=hf_ids, use_cache=True)
+
+  def hf_call():
+    with torch.no_grad():
+      out = hf_model.generate(hf_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                              pad_token_id=0, eos_token_id=None)
+    assert out.shape == (len(prompts), prompt_len + new_tokens)
+
+  times = {
+      f"lemon_rl shared ({num_prompts} rows)": (best_time(shared_prefill, repeats),
+                                                best_time(lemon_call(True), repeats)),
+      f"lemon_rl every row ({len(prompts)})": (best_time(every_row_prefill, repeats),
+                                               best_time(lemon_call(False), repeats)),
+      f"transformers ({len(prompts)} rows)": (best_time(hf_prefill, repeats), best_time(hf_call, repeats)),
+  }
+  return times, bool(np.array_equal(outputs[True].tokens, outputs[False].tokens))
+
+
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--batches", default="1,8,32")
+  parser.add_argument("--cases", default="batches,group", help="comma list of: batches, group")
+  parser.add_argument("--group-prompt", type=int, default=512, help="group case: prompt length")
+  parser.add_argument("--group-new", type=int, default=128, help="group case: new tokens")
+  parser.add_argument("--group-prompts", type=int, default=8, help="group case: distinct prompts")
+  parser.add_argument("--group-size", type=int, default=8, help="group case: rows per prompt (G)")
   parser.add_argument("--cpus", type=int, default=0, help="pin to the first N CPUs (0 = all)")
   args = parser.parse_args()
-  batches = [int(b) for b in args.batches.split(",")]
+  cases = set(args.cases.split(","))
+  if not cases <= {"batches", "group"}:
+    parser.error(f"--cases takes batches and/or group, got {args.cases}")
+  batches = [int(b) for b in args.batches.split(",")] if "batches" in cases else []
 
+  cond = conditions.start("benchmarks/sampler.py: lemon_rl generate vs transformers generate")
   cfg = get_preset("bench")
   model = Transformer(cfg, rngs=nnx.Rngs(0))
   with tempfile.TemporaryDirectory() as path:
     to_hf(model, path)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
-  print(f"load average at start {os.getloadavg()[0]:.1f}; CPUs {len(os.sched_getaffinity(0))}")
-  print(f"jax {jax.__version__} ({jax.devices()[0].platform}), torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads), transformers {transformers.__version__}")
-  print(f"model: {cfg.num_params() / 1e6:.2f}M params, prompt {PROMPT_LEN}, new {NEW_TOKENS}, greedy")
-  header = f"{'batch':>5} | {'impl':>12} | {'prefill ms':>10} | {'decode tok/s':>12} | {'new tok/s':>10}"
-  print(header)
-  print("-" * len(header))
-  rng = np.random.default_rng(0)
+  print(f"torch threads {torch.get_num_threads()}; jax platform {jax.devices()[0].platform}")
+  print(f"model: {cfg.num_params() / 1e6:.2f}M params, greedy")
   speedups = {}
+  if batches:
+    print(f"\nbatches: prompt {PROMPT_LEN}, new {NEW_TOKENS}")
+    header = f"{'batch':>5} | {'impl':>12} | {'prefill ms':>10} | {'decode tok/s':>12} | {'new tok/s':>10}"
+    print(header)
+    print("-" * len(header))
+  rng = np.random.default_rng(0)
   for b in batches:
     prompts = rng.integers(1, cfg.vocab_size, size=(b, PROMPT_LEN)).tolist()
     rows = {}
@@ -110,9 +181,30 @@ def main():
       print(f"{b:>5} | {name:>12} | {prefill_s * 1e3:>10.1f} | {b * NEW_TOKENS / decode_s:>12.0f} | "
             f"{rows[name]:>10.0f}")
     speedups[b] = rows["lemon_rl"] / rows["transformers"]
-  print(f"load average at end {os.getloadavg()[0]:.1f}")
+
+  group = None
+  if "group" in cases:
+    p, g = args.group_prompts, args.group_size
+    new = args.group_new
+    print(f"\nlong-prompt groups: {p} prompts x G={g} = {p * g} rows, prompt {args.group_prompt}, new {new}")
+    times, same = time_group(model, hf_model, args.group_prompt, new, p, g, args.repeats)
+    header = f"{'impl':>28} | {'prefill ms':>10} | {'whole call s':>12} | {'new tok/s':>10}"
+    print(header)
+    print("-" * len(header))
+    for name, (prefill_s, full_s) in times.items():
+      print(f"{name:>28} | {prefill_s * 1e3:>10.1f} | {full_s:>12.3f} | {p * g * new / full_s:>10.0f}")
+    (shared_prefill, shared_full), (every_prefill, every_full), (_, hf_full) = times.values()
+    group = (every_prefill / shared_prefill, hf_full / shared_full)
+    print(f"prefill: every row / shared = {group[0]:.2f}x; whole call: every row / shared = "
+          f"{every_full / shared_full:.2f}x, transformers / shared = {group[1]:.2f}x; "
+          f"same tokens with and without sharing: {same}")
+
+  cond.finish()
   for b in batches:
     print(f"sampler_speedup_vs_transformers_b{b}={speedups[b]:.2f}")
+  if group is not None:
+    print(f"sampler_group_prefill_speedup={group[0]:.2f}")
+    print(f"sampler_group_speedup_vs_transformers={group[1]:.2f}")
 
 
 if __name__ == "__main__":

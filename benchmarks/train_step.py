@@ -7,9 +7,10 @@ Model: the Qwen2-shaped benchmark preset ``get_preset("bench")`` (vocab 512, d 2
     gradient of the clipped policy loss (``lemon_rl.training.rl.PolicyLoss`` through
     ``state.accumulate_gradients``) next to the same loss and ``backward()`` in ``transformers``
     (``Qwen2ForCausalLM``, SDPA attention). Reported as tokens/s and as achieved FLOP/s over this
-    machine's float32 matmul peak, measured in the same run by a jitted 2048^3 ``jnp.dot`` (the larger of
-    its best wall-clock rate and its FLOPs per CPU-second times the CPU count: on a loaded machine the
-    wall-clock rate of a two-thread dot collapses, which would make any fraction of it meaningless).
+    machine's float32 matmul peak, measured in the same run by ``conditions.MatmulPeak``, a jitted 2048^3
+    ``jnp.dot`` timed in the header and again interleaved with the steps (the larger of its best
+    wall-clock rate and its FLOPs per CPU-second times the CPU count: on a loaded machine the wall-clock
+    rate of a two-thread dot collapses, which would make any fraction of it meaningless).
 
     FLOPs are counted analytically (`lemon_rl.models.flops`: the PaLM convention, causal attention once):
         per token: 6 * (N_matmul + V * E) + 3 * 4 * L * H * D * (T + 1) / 2
@@ -36,6 +37,9 @@ same process, so both get the same allocator.
 
     python benchmarks/train_step.py [--repeats 5] [--skip-trl] [--default-malloc] [--cpus N]
 
+The header and footer (machine, ISA, versions, matmul peak, load, other processes' CPU use during the run)
+come from ``benchmarks/conditions.py``.
+
 On a machine shared with other jobs (load average above the CPU count), multi-threaded torch suffers far
 more than XLA (its OpenMP barriers wait for descheduled threads), so the all-CPU ratios flatter lemon_rl;
 ``--cpus 1`` gives the comparison without that effect (each library on one thread).
@@ -54,6 +58,7 @@ if __name__ == "__main__":
   reexec_with_malloc_tuning("--default-malloc")
   from cpus import restrict_cpus_from_argv  # pylint: disable=g-import-not-at-top
   restrict_cpus_from_argv()
+  import conditions  # pylint: disable=g-import-not-at-top,unused-import  (load baseline before the imports)
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import argparse
@@ -72,6 +77,7 @@ import transformers
 from flax import nnx
 from ml_collections import config_dict
 
+import conditions
 from lemon_rl.models import ModelConfig, Transformer, get_preset, to_hf
 from lemon_rl.models.flops import train_flops
 from lemon_rl.rewards.combine import WeightedReward
@@ -81,7 +87,6 @@ from lemon_rl.training.rl import PolicyLoss, RLTrainer
 
 BATCH, PROMPT_LEN, NEW_TOKENS = 32, 64, 128
 PROMPTS, GENERATIONS = 4, 8
-PEAK_N = 2048
 
 
 def cpu_seconds() -> float:
@@ -162,16 +167,6 @@ def torch_forward_backward(hf_model, batch: dict[str, np.ndarray], eps: float = 
     ((per_token * loss_mask).sum() / loss_mask.sum()).backward()
 
   return run
-
-
-def peak_matmul():
-  a = jax.random.normal(jax.random.key(0), (PEAK_N, PEAK_N), jnp.float32)
-  dot = jax.jit(lambda a: jnp.dot(a, a))
-
-  def run():
-    jax.block_until_ready(dot(a))
-
-  return run, 2.0 * PEAK_N**3
 
 
 # -- (b) GRPO step --------------------------------------------------------------------------------------------
@@ -317,6 +312,7 @@ def main():
                       help="run on the first N CPUs only (0 = all); both libraries then use N threads")
   args = parser.parse_args()
 
+  cond = conditions.start("benchmarks/train_step.py: policy update vs transformers, GRPO step vs TRL")
   cfg = get_preset("bench")
   model = Transformer(cfg, rngs=nnx.Rngs(0))
   tmp = tempfile.TemporaryDirectory()
@@ -324,13 +320,7 @@ def main():
   hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp.name, dtype=torch.float32)
   hf_model.train()
 
-  load = os.getloadavg()
-  print(f"jax {jax.__version__} ({jax.devices()[0].platform}, {len(os.sched_getaffinity(0))} of "
-        f"{os.cpu_count()} CPUs), torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads, attention {hf_model.config._attn_implementation}), "
-        f"transformers {transformers.__version__}")
-  print(f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '(default)')}; load average at start "
-        f"{load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
+  print(f"torch {torch.get_num_threads()} threads, attention {hf_model.config._attn_implementation}")
   print(f"model: bench preset, {cfg.num_params() / 1e6:.2f}M params, float32")
 
   # (a) forward + backward.
@@ -338,18 +328,15 @@ def main():
   tokens = BATCH * (PROMPT_LEN + NEW_TOKENS)
   flops = train_flops(cfg, BATCH, PROMPT_LEN + NEW_TOKENS)
   lemon_run, xla_flops = lemon_forward_backward(model, batch)
-  peak_run, peak_flops = peak_matmul()
-  res = interleaved({"peak": peak_run, "lemon_rl": lemon_run,
+  # The peak's samples: the header's, and more interleaved with the steps (the same machine load).
+  res = interleaved({"peak": cond.peak, "lemon_rl": lemon_run,
                      "transformers": torch_forward_backward(hf_model, batch)}, args.repeats)
-  peak_more = interleaved({"peak": peak_run}, 4 * args.repeats, warmup=0)["peak"]
+  interleaved({"peak": cond.peak}, 4 * args.repeats, warmup=0)
   ncpu = len(os.sched_getaffinity(0))
-  peak_wall = peak_flops / min(res["peak"][0], peak_more[0])
-  peak_cpu = peak_flops / min(res["peak"][2], peak_more[2]) * ncpu
-  peak = max(peak_wall, peak_cpu)
+  peak = cond.peak.flops_per_s
   print(f"\n(a) forward + backward, {BATCH} x ({PROMPT_LEN} + {NEW_TOKENS}) tokens, "
         f"{flops / 1e9:.1f} GFLOP analytic (XLA cost analysis of the lemon_rl step: {xla_flops / 1e9:.1f})")
-  print(f"float32 matmul peak ({PEAK_N}^3 jnp.dot): {peak / 1e9:.0f} GFLOP/s = max(best wall "
-        f"{peak_wall / 1e9:.0f}, FLOPs per CPU-second x {ncpu} CPUs {peak_cpu / 1e9:.0f})")
+  print(cond.peak.describe())
   header = (f"{'impl':>12} | {'best s':>7} | {'median s':>8} | {'cpu s':>6} | {'tokens/s':>8} | "
             f"{'GFLOP/s':>7} | {'of peak':>7} | {'cpu-time of peak':>16}")
   print(header)
@@ -392,7 +379,8 @@ def main():
       grpo_speedup = trl_best / ours[0]
 
   tmp.cleanup()
-  print(f"\nload average at end {os.getloadavg()[0]:.1f}")
+  print()
+  cond.finish()
   print(f"train_step_mfu={mfu:.3f}")
   print(f"train_step_speedup_vs_transformers={fb_speedup:.2f}")
   print(f"grpo_step_speedup_vs_trl={grpo_speedup:.2f}")

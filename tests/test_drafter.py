@@ -10,7 +10,7 @@ from flax import nnx
 
 from lemon_rl.models import Transformer, get_preset
 from lemon_rl.models.drafter import EagleDrafter, EagleHead, default_feature_layers
-from lemon_rl.sampling import generate, speculative, speculative_generate
+from lemon_rl.sampling import compare_greedy, generate, speculative, speculative_generate
 from lemon_rl.sampling.sampler import right_pad
 from lemon_rl.training import drafter_training as dt
 from lemon_rl.training import state as state_lib
@@ -207,19 +207,11 @@ TIE_GAP = 1e-4  # the tie rule of tests/test_speculative.py
 
 def _check_against_reference(target, prompts, out, ref):
   """Token-for-token equality with ``generate``'s greedy output, except after a near-tie (returns their count)."""
-  ties = 0
-  for i, prompt in enumerate(prompts):
-    diff = np.flatnonzero(out.tokens[i] != ref.tokens[i])
-    if diff.size == 0:
-      assert out.lengths[i] == ref.lengths[i] and out.finish_reasons[i] == ref.finish_reasons[i]
-      np.testing.assert_allclose(out.log_probs[i], ref.log_probs[i], atol=1e-5)
-      continue
-    seq = list(prompt) + ref.tokens[i, :diff[0]].tolist()
-    logits = np.asarray(target(jnp.asarray([seq])))[0, -1]
-    top_two = np.sort(logits)[-2:]
-    assert top_two[1] - top_two[0] < TIE_GAP, f"row {i} differs at {diff[0]} without a near-tie"
-    ties += 1
-  return ties
+  agreement = compare_greedy(target, prompts, out, ref, TIE_GAP)
+  assert not agreement.mismatches, agreement.mismatches
+  for i in set(range(len(prompts))) - {d.row for d in agreement.near_ties}:
+    np.testing.assert_allclose(out.log_probs[i], ref.log_probs[i], atol=1e-5)
+  return len(agreement.near_ties)
 
 
 @functools.partial(jax.jit, static_argnames="num_slots")

@@ -186,12 +186,12 @@ def test_extend_then_truncate_equals_extending_only_the_kept_tokens(small_model)
   np.testing.assert_array_equal(truncated.truncate(jnp.array([100, 0, 4])).lengths, [3, 0, 4])
 
 
-def test_tile_equals_prefilling_each_copy(small_model):
+def test_take_equals_prefilling_each_copy(small_model):
   model = small_model
   ids, mask = _right_padded(PROMPTS[:2])
   _, cache = _prefill(model, ids, mask, num_slots=8)
-  tiled = cache.tile(3)
-  rows = [0, 0, 0, 1, 1, 1]
+  rows = [0, 1, 0, 1, 1, 0]  # Repeats in any order.
+  tiled = cache.take(jnp.array(rows))
   _, copies = _prefill(model, ids[jnp.array(rows)], mask[jnp.array(rows)], num_slots=8)
   np.testing.assert_array_equal(tiled.lengths, copies.lengths)
   for a, b in zip(jax.tree.leaves(tiled), jax.tree.leaves(copies)):

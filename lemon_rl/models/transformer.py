@@ -77,14 +77,16 @@ class KVCache(NamedTuple):
     lengths = jnp.broadcast_to(jnp.asarray(lengths, jnp.int32), self.lengths.shape)
     return self._replace(lengths=jnp.minimum(lengths, self.lengths))
 
-  def tile(self, n: int) -> "KVCache":
-    """Repeats every row ``n`` times along the batch: row ``b`` becomes rows ``[b*n, (b+1)*n)``.
+  def take(self, rows: jax.Array) -> "KVCache":
+    """The cache whose row ``i`` is row ``rows[i]`` of this one (``rows [B']`` int in ``[0, B)``, any order,
+    repeats allowed): one ``jnp.take`` along the batch of every buffer and of the lengths.
 
-    Prefix sharing: prefill ``P`` prompts once, tile by the group size ``G`` and sample ``P*G``
-    completions (the layout of GRPO groups, each prompt's ``G`` samples consecutive).
+    Prefix sharing: prefill the ``P`` distinct prompts once and take, for each of the ``B'`` rows to
+    sample, the row of its prompt (``lemon_rl.sampling.generate`` does this when prompts repeat).
     """
-    rep = lambda x: jnp.repeat(x, n, axis=0)
-    return KVCache(tuple(map(rep, self.keys)), tuple(map(rep, self.values)), rep(self.lengths))
+    rows = jnp.asarray(rows, jnp.int32)
+    pick = lambda x: jnp.take(x, rows, axis=0, mode="clip")
+    return KVCache(tuple(map(pick, self.keys)), tuple(map(pick, self.values)), pick(self.lengths))
 
 
 def write_rows(buffer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
@@ -448,7 +450,7 @@ class Transformer(nnx.Module):
   # One layout for every cached use (sampling, speculative verification, multi-turn episodes, shared
   # prompts): each row's tokens are contiguous from slot 0 (left-aligned), ``cache.lengths`` says how many
   # are valid, :meth:`extend` appends ``k`` tokens per row, ``KVCache.truncate`` rolls rows back and
-  # ``KVCache.tile`` repeats a prefilled prefix. Methods return final-norm hidden states; apply
+  # ``KVCache.take`` shares a prefilled prefix. Methods return final-norm hidden states; apply
   # :meth:`logits_from_hidden` (or :meth:`value_from_hidden`) to them.
 
   def init_cache(self, batch: int, num_slots: int) -> KVCache:

@@ -7,9 +7,17 @@ log-prob of every sampled token under the distribution actually sampled from
 (:mod:`lemon_rl.sampling.distribution`: temperature, top-k and top-p applied), a completion mask (EOS
 included, padding excluded) and a finish reason per row.
 
+Shared prompt prefixes: GRPO asks for ``G`` completions of each prompt (the prompt repeated ``G`` times).
+When some prompts repeat, ``generate`` prefills each distinct prompt once (``P`` rows instead of ``B``) and
+gives every row the cache and last-token logits of its prompt (:meth:`KVCache.take` with an index ``[B]``,
+inside the same jitted prefill): the prefill costs ``P / B`` of prefilling every row, and the decode loop is
+unchanged. Rows then see the same keys, values and logits as with a prefill of their own (up to float32
+rounding of a matmul run at another batch size), so a key gives the same tokens.
+
 The whole decode loop is one ``jax.lax.while_loop`` inside one jitted call (each step one
 ``Transformer.extend`` of one token per row), so a batch costs one dispatch; compiled functions are cached
-per (model graph, batch, prompt bucket, max new tokens, sampling mode, number of EOS ids).
+per (model graph, batch, prompt bucket, max new tokens, sampling mode, number of EOS ids), and the shared
+prefill per (distinct prompts ``P``, batch, prompt bucket, cache slots).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lemon_rl.models.sharding import constrain
 from lemon_rl.models.transformer import KVCache, Transformer
 from lemon_rl.sampling import distribution
 from lemon_rl.training import distributed
@@ -96,6 +105,37 @@ def _prefill(graphdef, state, ids, mask, num_slots):
   return model.logits_from_hidden(hidden), cache
 
 
+def distinct_prompts(prompts: Sequence[Sequence[int]], multiple: int = 1) -> tuple[list[list[int]], np.ndarray]:
+  """The distinct prompts in order of first appearance and, for every row, the index of its prompt.
+
+  Returns ``(distinct, rows)`` with ``prompts[i] == distinct[rows[i]]`` (``rows [B]`` int32). ``distinct``
+  is padded with copies of its first prompt to a multiple of ``multiple`` rows (padding rows that no row
+  reads).
+  """
+  index: dict[tuple[int, ...], int] = {}
+  rows = np.asarray([index.setdefault(tuple(int(t) for t in p), len(index)) for p in prompts], np.int32)
+  distinct = [list(p) for p in index]
+  distinct += [distinct[0]] * (-len(distinct) % multiple)
+  return distinct, rows
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "num_slots"))
+def _prefill_shared(graphdef, state, ids, mask, rows, num_slots):
+  """:func:`_prefill` of the ``P`` distinct prompts ``ids, mask [P, L]``, then row ``i`` of the batch gets
+  prompt ``rows[i]``'s last-token logits and cache row: returns ``(logits [B, V], cache of B rows)``.
+
+  The gathered rows are constrained to the batch sharding the decode loop uses (a no-op without
+  :func:`lemon_rl.models.activation_sharding`).
+  """
+  model = nnx.merge(graphdef, state)
+  hidden, cache = model.prefill(ids, mask, num_slots)
+  logits = constrain(jnp.take(model.logits_from_hidden(hidden), rows, axis=0, mode="clip"),
+                     ("batch", "vocab"))
+  cache = cache.take(rows)
+  layout = lambda x: constrain(x, ("batch", "kv_heads", "seq", "head_dim"))
+  return logits, KVCache(tuple(map(layout, cache.keys)), tuple(map(layout, cache.values)), cache.lengths)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "filtering"),
                    donate_argnames=("cache",))
 def _decode(graphdef, state, cache: KVCache, logits, rng, temperature, top_k, top_p, eos_ids, pad_id,
@@ -138,7 +178,7 @@ def _decode(graphdef, state, cache: KVCache, logits, rng, temperature, top_k, to
 def generate(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int, rng: jax.Array,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
              eos_ids: int | Sequence[int] | None = None, pad_id: int = 0,
-             min_prompt_bucket: int = 16) -> SampleOutput:
+             min_prompt_bucket: int = 16, share_prefixes: bool = True) -> SampleOutput:
   """Samples completions for a batch of prompts of different lengths.
 
   Args:
@@ -153,6 +193,9 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], max_new_token
       ``None`` = never stop early); its finish reason is then ``"eos"``.
     pad_id: id written after a row's end and used to pad prompts.
     min_prompt_bucket: smallest prompt bucket (prompts are padded to powers of two).
+    share_prefixes: when some prompts repeat, prefill each distinct prompt once and share its cache
+      across its rows (module docstring); ``False`` prefills every row (the reference path). Same tokens
+      for the same key either way, log-probs equal up to float32 rounding.
 
   The sampling distribution and the reported log-probs are those of
   :func:`lemon_rl.sampling.distribution.sampling_log_probs` with the same ``temperature, top_k, top_p``.
@@ -160,7 +203,9 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], max_new_token
   Multi-process (:mod:`lemon_rl.training.distributed`): each process passes its own prompts; they are rows of
   one global batch on the active mesh (the prompt bucket is the longest prompt of any process; a process's
   rows are padded with copies of its last prompt to a multiple of its batch slices) and each process gets
-  back its own rows. With one process this is the plain single-batch call.
+  back its own rows. With one process this is the plain single-batch call. Prompt sharing is then off
+  (every row is prefilled): each process would find a different number of distinct prompts, and the shared
+  prefill's shape must be the same on every process.
   """
   if not prompts or any(len(p) == 0 for p in prompts):
     raise ValueError("generate needs at least one prompt and every prompt needs at least one token")
@@ -170,13 +215,20 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], max_new_token
     raise ValueError(f"invalid sampling parameters temperature={temperature}, top_k={top_k}, top_p={top_p}")
   eos = eos_array(eos_ids)
   num_prompts = len(prompts)
-  prompts = list(prompts) + [prompts[-1]] * (-num_prompts % distributed.row_multiple())
+  multiple = distributed.row_multiple()
   prompt_len = prompt_bucket(distributed.global_max(max(len(p) for p in prompts)), min_prompt_bucket)
-  ids, mask = right_pad(prompts, prompt_len, pad_id)
+  num_slots = prompt_len + max_new_tokens
   graphdef, state = nnx.split(model)
   greedy = temperature == 0
-  ids, mask = distributed.to_global((ids, mask))
-  logits, cache = _prefill(graphdef, state, ids, mask, num_slots=prompt_len + max_new_tokens)
+  distinct, rows = (distinct_prompts(prompts, multiple) if share_prefixes and jax.process_count() == 1
+                    else (None, None))
+  if rows is not None and int(rows.max()) + 1 < num_prompts:  # Some prompts repeat.
+    ids, mask = distributed.to_global(right_pad(distinct, prompt_len, pad_id))
+    logits, cache = _prefill_shared(graphdef, state, ids, mask, jnp.asarray(rows), num_slots=num_slots)
+  else:
+    prompts = list(prompts) + [prompts[-1]] * (-num_prompts % multiple)
+    ids, mask = distributed.to_global(right_pad(prompts, prompt_len, pad_id))
+    logits, cache = _prefill(graphdef, state, ids, mask, num_slots=num_slots)
   tokens, logp, done, lengths, _ = _decode(
       graphdef, state, cache, logits, rng, jnp.float32(max(temperature, 1e-6)), jnp.int32(top_k),
       jnp.float32(top_p), jnp.asarray(eos), jnp.int32(pad_id),

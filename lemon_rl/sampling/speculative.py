@@ -466,3 +466,58 @@ def speculative_generate(target: Transformer, drafter: Transformer | Drafter, pr
   reasons = ["eos" if e else "length" for e in hit_eos]
   return SpeculativeOutput(tokens, np.where(mask, log_probs, 0.0).astype(np.float32), mask, lengths, reasons,
                            stats)
+
+
+# -- greedy agreement with the target alone --------------------------------------------------------------
+
+
+class GreedyDifference(NamedTuple):
+  """Where a row first differs from the reference: ``position`` in the completion, and ``gap``, the target's
+  top-two logit gap there (full forward over the prompt and the reference's first ``position`` tokens)."""
+
+  row: int
+  position: int
+  gap: float
+
+
+class GreedyAgreement(NamedTuple):
+  """Outcome of :func:`compare_greedy`.
+
+  Attributes:
+    identical: rows equal to the reference token for token, in length and in finish reason.
+    near_ties: rows that first differ where the gap is below the tie threshold (rounding of a
+      ``(K+1)``-token verification vs a 1-token decode can pick the other of two near-equal logits).
+    mismatches: rows that first differ without a near-tie (a bug, for greedy speculative decoding).
+  """
+
+  identical: int
+  near_ties: list[GreedyDifference]
+  mismatches: list[GreedyDifference]
+
+
+_full_logits = nnx.jit(Transformer.__call__)
+
+
+def compare_greedy(target: Transformer, prompts: Sequence[Sequence[int]], out: SampleOutput | SpeculativeOutput,
+                   ref: SampleOutput, tie_gap: float) -> GreedyAgreement:
+  """Compares greedy ``out`` with the reference greedy ``ref`` (e.g. ``generate(target, ..., temperature=0)``)
+  row by row; a differing row is classified by the target's top-two logit gap at its first difference:
+  ``logit_(1) - logit_(2) < tie_gap`` is a near-tie, anything else a mismatch.
+  """
+  identical, ties, mismatches = 0, [], []
+  for i, prompt in enumerate(prompts):
+    diff = np.flatnonzero(out.tokens[i] != ref.tokens[i])
+    if diff.size == 0:
+      same_end = out.lengths[i] == ref.lengths[i] and out.finish_reasons[i] == ref.finish_reasons[i]
+      if not same_end:  # Equal tokens but a different length or finish reason: never a rounding effect.
+        mismatches.append(GreedyDifference(i, int(min(out.lengths[i], ref.lengths[i])), float("inf")))
+      identical += same_end
+      continue
+    j = int(diff[0])
+    seq = list(prompt) + ref.tokens[i, :j].tolist()
+    ids, mask = right_pad([seq], prompt_bucket(len(seq)), 0)
+    logits = np.asarray(_full_logits(target, jnp.asarray(ids), jnp.asarray(mask)))[0, len(seq) - 1]
+    top_two = np.sort(logits)[-2:]
+    gap = float(top_two[1] - top_two[0])
+    (ties if gap < tie_gap else mismatches).append(GreedyDifference(i, j, gap))
+  return GreedyAgreement(identical, ties, mismatches)
