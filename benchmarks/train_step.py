@@ -51,7 +51,6 @@ and ``grpo_step_speedup_vs_trl=<ratio>`` (``nan`` for a part that was skipped).
 from __future__ import annotations
 
 import os
-import sys
 
 if __name__ == "__main__":
   from lemon_rl.utils.allocator import reexec_with_malloc_tuning  # pylint: disable=g-import-not-at-top
