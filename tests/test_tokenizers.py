@@ -199,7 +199,7 @@ class TestHFTokenizer:
     _write_json(d, "tokenizer_config.json", {"eos_token": "</s>", "bos_token": None})
     tok = load_tokenizer(d)
     assert tok.eos_id == 2 and tok.eos_ids == (2, 4)
-    assert tok.bos_id == 1  # null in tokenizer_config: the next file decides.
+    assert tok.bos_id is None  # null in tokenizer_config: no BOS, whatever config.json says (Qwen2).
     tok = HFTokenizer.from_file(os.path.join(d, "tokenizer.json"), pad_id=0, bos_id=None, eos_id=4)
     assert (tok.pad_id, tok.eos_id) == (0, 4)
 

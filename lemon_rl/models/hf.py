@@ -1,4 +1,4 @@
-"""Hugging Face weights: ``from_hf(path)`` and ``to_hf(model, path)``.
+"""Hugging Face weights: ``from_hf(path)`` and ``to_hf(model, path)``; ``load_hf_policy(path)`` for a whole directory.
 
 Reads ``config.json`` and ``model.safetensors`` (or the sharded ``model.safetensors.index.json``) of a
 Llama- or Qwen2-family checkpoint; writes a directory that ``transformers`` loads with
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +23,8 @@ from safetensors.numpy import load_file, save_file
 
 from lemon_rl.models.config import ModelConfig
 from lemon_rl.models.transformer import Transformer, group_qkv, ungroup_qkv
+from lemon_rl.text.chat_template import ChatTemplate
+from lemon_rl.text.tokenizers import HFTokenizer
 
 _SUPPORTED = ("qwen2", "llama")
 
@@ -208,3 +210,29 @@ def to_hf(model: Transformer, path: str, max_shard_bytes: int | None = None) -> 
     weight_map.update({name: fname for name in shard})
   with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
     json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
+class HFPolicy(NamedTuple):
+  """A model directory loaded whole: unpacks as ``model, tokenizer, chat_template = load_hf_policy(path)``."""
+
+  model: Transformer
+  tokenizer: HFTokenizer
+  chat_template: ChatTemplate | None  # None for a directory that declares no chat template.
+
+
+def load_hf_policy(path: str, **config_overrides) -> HFPolicy:
+  """Loads everything a policy needs from one local Hugging Face directory.
+
+  ``model``: :func:`from_hf` (``config.json`` + safetensors, ``config_overrides`` as there).
+  ``tokenizer``: :meth:`HFTokenizer.from_file` (``tokenizer.json``, ``tokenizer_config.json``,
+  ``special_tokens_map.json``, ``generation_config.json``, ``config.json``); its ``eos_ids`` are every EOS id
+  the directory declares, to pass to ``generate(..., eos_ids=tokenizer.eos_ids)``.
+  ``chat_template``: :meth:`ChatTemplate.from_dir` bound to that tokenizer (``None`` if none is declared).
+  Raises ``ValueError`` when the tokenizer has ids beyond the model's embedding table.
+  """
+  model = from_hf(path, **config_overrides)
+  tokenizer = HFTokenizer.from_file(path)
+  if tokenizer.vocab_size > model.cfg.vocab_size:
+    raise ValueError(f"{path}: the tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size is "
+                     f"{model.cfg.vocab_size}")
+  return HFPolicy(model, tokenizer, ChatTemplate.from_dir(path, tokenizer=tokenizer))

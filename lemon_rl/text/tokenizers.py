@@ -209,7 +209,8 @@ class HFTokenizer:
 
   Special ids come from, in order of precedence: the explicit arguments, ``tokenizer_config.json``,
   ``special_tokens_map.json`` (token strings), ``generation_config.json``, ``config.json`` (``*_token_id``),
-  the first file that defines a non-null value winning. ``eos_ids`` is the union of every EOS found (e.g.
+  the first file that defines a non-null value winning, except that a token set to null in
+  ``tokenizer_config.json`` means the tokenizer has none (the model configs' id is then ignored). ``eos_ids`` is the union of every EOS found (e.g.
   Llama 3's list in ``generation_config.json``). Without any pad token, ``pad_id`` falls back to ``eos_id``.
   ``bos_id`` may be ``None`` (e.g. Qwen2's tokenizer); then ``encode(add_bos=True)`` raises.
   """
@@ -257,15 +258,20 @@ class HFTokenizer:
       return tid
 
     found: dict[str, list[int]] = {"pad": [], "bos": [], "eos": []}
-    for config_name in ("tokenizer_config.json", "special_tokens_map.json"):
-      config = _read_json(os.path.join(directory, config_name))
+    # A tokenizer_config.json that sets a token to null declares that the tokenizer has none (Qwen2's
+    # ``"bos_token": null``): the model configs' ids (Qwen2.5's generation_config names <|endoftext|> as
+    # ``bos_token_id``) must not then make prompts start with it, which transformers' tokenizer never does.
+    tokenizer_config = _read_json(os.path.join(directory, "tokenizer_config.json"))
+    declared_none = {kind for kind in found if f"{kind}_token" in tokenizer_config
+                     and tokenizer_config[f"{kind}_token"] is None}
+    for config in (tokenizer_config, _read_json(os.path.join(directory, "special_tokens_map.json"))):
       for kind in found:
         tid = lookup(_token_content(config.get(f"{kind}_token")))
         if tid is not None:
           found[kind].append(tid)
     for config_name in ("generation_config.json", "config.json"):
       config = _read_json(os.path.join(directory, config_name))
-      for kind in found:
+      for kind in set(found) - declared_none:
         found[kind].extend(_as_id_list(config.get(f"{kind}_token_id")))
     eos = eos_id if eos_id is not None else (found["eos"][0] if found["eos"] else None)
     return cls(raw,
