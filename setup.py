@@ -23,12 +23,18 @@ setup(
         "scipy>=1.17",
         "safetensors>=0.8.0",
         "tokenizers>=0.23",
+        "jinja2>=3.1.6",  # Chat templates (lemon_rl/text/chat_template.py), rendered as transformers does.
         "pyyaml>=6.0",  # LEMON orchestration specs (lemon_rl/envs/orchestration); also a dependency of flax.
         "tqdm>=4.70",
         "tensorboardX>=2.6",
         "matplotlib>=3.10",
+        "math-verify>=0.9.0",  # The math answer reward (lemon_rl/rewards/math_verify_reward.py).
     ],
     extras_require={
+        # Offline GSM-Symbolic problems for the gsm8k task (lemon_rl/envs/math_data.py, source="gsm_symbolic").
+        "reasoning": ["reasoning-gym>=0.1.25"],
+        # Hugging Face parquet/arrow files and save_to_disk folders as task data (lemon_rl/envs/math_data.py).
+        "hf_datasets": ["datasets>=5.2"],
         # torch must be installed first (`pip install torch==2.13.0`, a local CPU build here) so that
         # transformers does not pull a CUDA build; see README.
         "test": [

@@ -123,13 +123,16 @@ def demonstration_from_gold(gold: list[dict[str, dict[str, list[Any]]]],
   return tool_use.render_completion(thinking, calls, style)
 
 
-def load_bfcl(category: str, limit: int | None = None, style: str = "json") -> list[dict[str, Any]]:
+def load_bfcl(category: str, limit: int | None = None, style: str = "json",
+              data_dir: str | None = None) -> list[dict[str, Any]]:
   """Loads one BFCL category as tool-use examples.
 
   Args:
     category: a key of :data:`CATEGORY_FILES`.
     limit: keep the first ``limit`` examples (file order) if set.
     style: call-block style of the demonstrations (:func:`tool_use.render_calls`).
+    data_dir: a local folder laid out like bfcl-eval's ``data/`` (``BFCL_v4_<stem>.json`` and
+      ``possible_answer/``); default: the installed package's.
 
   Returns:
     The examples (module docstring).
@@ -139,7 +142,7 @@ def load_bfcl(category: str, limit: int | None = None, style: str = "json") -> l
   """
   if category not in CATEGORY_FILES:
     raise ValueError(f"unknown BFCL category {category!r}; expected one of {sorted(CATEGORY_FILES)}")
-  data = bfcl_data_dir()
+  data = data_dir if data_dir is not None else bfcl_data_dir()
   if data is None:
     raise FileNotFoundError(f"bfcl-eval is not installed; {INSTALL_HINT}")
   stem = VERSION_PREFIX + CATEGORY_FILES[category] + ".json"

@@ -178,3 +178,18 @@ def frozenlake_task(cfg, data_dir: str) -> Task:
   del data_dir
   from lemon_rl.envs import frozenlake_task as flt  # pylint: disable=g-import-not-at-top
   return flt.build_task(cfg)
+
+
+@TASK_CONFIG_CHECKS.register("gsm8k")
+@TASK_CONFIG_CHECKS.register("math")
+def check_math_config(config) -> None:
+  from lemon_rl.envs import math_task  # pylint: disable=g-import-not-at-top
+  math_task.check_config(config)
+
+
+@TASKS.register("gsm8k")
+@TASKS.register("math")
+def math_word_task(cfg, data_dir: str) -> Task:
+  """GSM8K- / MATH-format local files (or GSM-Symbolic) scored by math-verify (``lemon_rl.envs.math_task``)."""
+  from lemon_rl.envs import math_task  # pylint: disable=g-import-not-at-top
+  return math_task.build(cfg, data_dir)

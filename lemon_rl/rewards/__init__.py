@@ -8,3 +8,5 @@ from lemon_rl.rewards.tool_calls import score_tool_calls_detailed
 from lemon_rl.rewards.tool_parsing import ParseResult
 from lemon_rl.rewards.tool_parsing import ToolCall
 from lemon_rl.rewards.tool_parsing import parse_tool_calls
+from lemon_rl.rewards.math_verify_reward import extract_final_answer
+from lemon_rl.rewards.math_verify_reward import math_answer_reward
