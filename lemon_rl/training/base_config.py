@@ -77,6 +77,26 @@ def get_base_config() -> config_dict.ConfigDict:
   c.rl.skip_zero_signal = False
   c.rl.dynamic_sampling = False
   c.rl.dynamic_sampling_max_rounds = 3
+  # Speculative rollouts (lemon_rl.training.speculative_rollouts; off by default): the shared rollout samples
+  # with speculative_generate, the policy as target and a drafter distilled to it after every update, checked
+  # by a refit guard, switched off for a step by a cost model when it would not pay.
+  c.rl.speculative = s = config_dict.ConfigDict()
+  s.enabled = False
+  s.drafter = "eagle"  # eagle (an EagleHead on the policy's features) | transformer (a small Transformer).
+  s.feature_layers = ()  # eagle: policy blocks fused (() = EAGLE-3's default_feature_layers).
+  s.drafter_preset = "tiny"  # transformer: lemon_rl.models preset (its vocabulary becomes the policy's).
+  s.drafter_num_layers = 0  # transformer: blocks (0 = the preset's).
+  s.num_draft = 4  # K, tokens drafted per verification.
+  s.distill_steps_per_rl_step = 1  # Drafter optimizer steps on each step's rollouts, after the policy update.
+  s.learning_rate = 1e-3  # Drafter AdamW learning rate (constant).
+  s.distill_microbatch_size = 0  # Rows per gradient-accumulation slice of a distillation step (0 = all rows).
+  s.ttt_steps = 0  # eagle: unrolled drafting steps of the distillation loss (0 = num_draft).
+  s.min_probe_acceptance = 0.0  # Refit guard: probe acceptance (accepted / drafted tokens) must exceed this.
+  s.probe_size = 16  # Rows of the first step's rollout kept as the fixed probe batch.
+  s.cost_model = True  # Switch speculation off for a step when the predicted speedup is <= min_speedup.
+  s.min_speedup = 1.0
+  s.acceptance_decay = 0.5  # EMA weight of the old running acceptance (the cost model's tau).
+  s.seed = 0  # Drafter initialisation.
 
   c.eval = config_dict.ConfigDict()
   c.eval.num_examples = 500  # Held-out problems scored greedily.

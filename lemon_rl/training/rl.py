@@ -32,6 +32,7 @@ from lemon_rl.losses.surrogate import SurrogateSettings, surrogate_fields_from_c
 from lemon_rl.rewards.combine import WeightedReward
 from lemon_rl.training import distributed
 from lemon_rl.training import rollout as rollout_lib
+from lemon_rl.training import speculative_rollouts
 from lemon_rl.training import state as state_lib
 from lemon_rl.training.rollout import Rollout, SamplingSettings
 from lemon_rl.training.state import TrainState
@@ -98,6 +99,7 @@ def policy_loss_from_config(cfg) -> PolicyLoss:
 def check_config(config) -> None:
   """The ``rl`` section as the single-turn RL trainers read it (names, ranges, batch divisibility)."""
   rl = config.rl
+  speculative_rollouts.check_config(rl)
   cc.require_positive(rl, "rl", "steps", "eval_every", "warmup_steps", "weight_decay", "kl_coef", "entropy_coef",
                       "temperature", "top_k", allow_zero=True)
   if not rl.steps:

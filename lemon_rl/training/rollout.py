@@ -23,6 +23,8 @@ global batch, and each process keeps its own rows. With one process nothing is g
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import time
@@ -39,6 +41,7 @@ from lemon_rl.rewards.combine import WeightedReward, compute_rewards
 from lemon_rl.sampling import generate, sampling_log_probs
 from lemon_rl.text.decoding import decode_completion, encode_prompt
 from lemon_rl.training import distributed
+from lemon_rl.training import speculative_rollouts
 from lemon_rl.training.batches import build_sequences, completion_to_targets
 
 # Fields of an example that are not reward-function keyword arguments.
@@ -80,6 +83,21 @@ class SamplingSettings:
 
 
 MODEL_DISTRIBUTION = SamplingSettings()  # The model's own distribution: temperature 1, no filter.
+
+# The shared rollout's sampler: None = SamplingSettings.sample; else called as sampler(model, prompt_ids,
+# max_new_tokens, rng, tokenizer, sampling) -> SampleOutput (rl.speculative installs one for a step,
+# lemon_rl.training.speculative_rollouts).
+_SAMPLER: contextvars.ContextVar = contextvars.ContextVar("rollout_sampler", default=None)
+
+
+@contextlib.contextmanager
+def rollout_sampler(sampler):
+  """Within the block, the shared rollout samples with ``sampler`` (``None``: plain sampling)."""
+  token = _SAMPLER.set(sampler)
+  try:
+    yield
+  finally:
+    _SAMPLER.reset(token)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling"))
@@ -186,8 +204,9 @@ def _sample(graphdef, params, tokenizer, examples: Sequence[Mapping[str, Any]], 
   encoded = [encode_prompt(tokenizer, ex[PROMPT_KEY]) for ex in examples]
   prompt_ids = [ids for ids in encoded for _ in range(g)]
   t0 = time.perf_counter()
-  out = SamplingSettings.from_config(cfg).sample(nnx.merge(graphdef, params), prompt_ids, cfg.max_new_tokens,
-                                                  rng, tokenizer)
+  sampling, sampler, model = SamplingSettings.from_config(cfg), _SAMPLER.get(), nnx.merge(graphdef, params)
+  out = (sampling.sample(model, prompt_ids, cfg.max_new_tokens, rng, tokenizer) if sampler is None
+         else sampler(model, prompt_ids, cfg.max_new_tokens, rng, tokenizer, sampling))
   sample_time = time.perf_counter() - t0
   completion_ids = [out.tokens[i, :out.lengths[i]].tolist() for i in range(len(prompt_ids))]
   completions = [decode_completion(tokenizer, ids) for ids in completion_ids]
@@ -395,9 +414,15 @@ def rollout_and_update(trainer, state, examples: Sequence[Mapping[str, Any]],
   schedule still move. Logged every step: ``rl/zero_signal`` (0/1), ``rl/skipped_zero_signal`` (0/1) and
   ``rl/skipped_zero_signal_total`` (the running count of ``trainer.zero_signal_skips``, since the trainer was
   built: a resumed run counts from the resume).
+
+  With ``rl.speculative.enabled`` (:mod:`lemon_rl.training.speculative_rollouts`) the rollout samples through
+  the trainer's speculative sampler and, after the update, the drafter is refitted to the new policy and
+  checked (its metrics join the step's; ``time/step_s`` includes the refit, ``time/drafter_refit_s``).
   """
+  speculative = speculative_rollouts.for_trainer(trainer)
   t0 = time.perf_counter()
-  rollout = trainer.rollout(state, examples) if refill is None else trainer.rollout(state, examples, refill)
+  with rollout_sampler(speculative):
+    rollout = trainer.rollout(state, examples) if refill is None else trainer.rollout(state, examples, refill)
   t1 = time.perf_counter()
   aware = hasattr(trainer, "signal_without_variance")
   no_signal = aware and zero_signal(trainer, rollout)
@@ -410,9 +435,14 @@ def rollout_and_update(trainer, state, examples: Sequence[Mapping[str, Any]],
   jax.block_until_ready(state.params)
   t2 = time.perf_counter()
   metrics = dict(rollout.metrics, **update_metrics)
-  metrics.update({"time/update_s": t2 - t1, "time/step_s": t2 - t0,
+  t3 = t2
+  if speculative is not None:
+    metrics.update(speculative.refit(state.params, rollout))
+    t3 = time.perf_counter()
+    metrics["time/drafter_refit_s"] = t3 - t2
+  metrics.update({"time/update_s": t2 - t1, "time/step_s": t3 - t0,
                   "tokens_per_s": (0.0 if skip else distributed.global_sum(trained_tokens(rollout))) /
-                                  max(t2 - t0, 1e-9)})
+                                  max(t3 - t0, 1e-9)})
   if aware:
     metrics.update({"rl/zero_signal": float(no_signal), "rl/skipped_zero_signal": float(skip),
                     "rl/skipped_zero_signal_total": float(trainer.zero_signal_skips)})
