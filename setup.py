@@ -53,6 +53,9 @@ setup(
             "tenacity>=8.2",
             # FrozenLake parity tests (lemon_rl/envs/frozenlake.py is pure numpy at run time).
             "gymnasium>=1.4.0",
+            # The optional data sources, so their tests run rather than skip.
+            "reasoning-gym>=0.1.25",
+            "datasets>=5.2",
         ],
     },
 )
