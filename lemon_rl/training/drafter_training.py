@@ -254,6 +254,18 @@ def load_speculative(directory: str, step: int | None = None) -> tuple[Transform
 # -- measured cost ratio --------------------------------------------------------------------------------
 
 
+def seconds_per_step(run, steps: int, repeats: int) -> float:
+  """Best of ``repeats`` timed calls of ``run()`` (a jitted loop of ``steps`` steps) after one warm-up call
+  (compilation), divided by ``steps``."""
+  jax.block_until_ready(run())
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(run())
+    times.append(time.perf_counter() - start)
+  return min(times) / steps
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "steps"))
 def _target_decode(graphdef, variables, cache, token, steps):
   model = nnx.merge(graphdef, variables)
@@ -298,16 +310,8 @@ def decode_step_seconds(target: Transformer, head: EagleHead, batch: int = 1, co
   hidden = jnp.zeros((batch, target.cfg.hidden_size), target.cfg.jnp_dtype)
   token = ids[:, -1]
 
-  def best(fn):
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-      start = time.perf_counter()
-      jax.block_until_ready(fn())
-      times.append(time.perf_counter() - start)
-    return min(times) / steps
-
-  target_s = best(lambda: _target_decode(target_def, target_vars, cache, token, steps=steps))
-  drafter_s = best(lambda: _drafter_decode(target_def, target_vars, head_def, head_vars, head_cache, hidden, token,
-                                           steps=steps))
+  target_s = seconds_per_step(lambda: _target_decode(target_def, target_vars, cache, token, steps=steps), steps,
+                              repeats)
+  drafter_s = seconds_per_step(lambda: _drafter_decode(target_def, target_vars, head_def, head_vars, head_cache,
+                                                       hidden, token, steps=steps), steps, repeats)
   return {"target_s": target_s, "drafter_s": drafter_s, "ratio": target_s / drafter_s}

@@ -270,15 +270,7 @@ def measure_step_costs(target: Transformer, drafter: nnx.Module, batch: int, con
   layers = tuple(getattr(drafter, "feature_layers", ()) or ())
   hidden_size = target.cfg.hidden_size
 
-  def best(fn):
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-      start = time.perf_counter()
-      jax.block_until_ready(fn())
-      times.append(time.perf_counter() - start)
-    return min(times) / steps
-
+  best = lambda run: drafter_training.seconds_per_step(run, steps, repeats)
   target_s = best(lambda: _target_steps(target_def, target_vars, cache, ids[:, -1], key, steps=steps, **sampling))
   verify_s = best(lambda: _verify_steps(target_def, target_vars, cache, window, key, steps=steps, **sampling))
   draft_s = best(lambda: _draft_steps(drafter_def, drafter_vars, draft_state, ids[:, -1], key, steps=steps,
