@@ -4,7 +4,12 @@ A :class:`ModelConfig` is a frozen dataclass so that it can be a static argument
 
 - ``tiny``: the CPU default used by tests and the default experiment (byte-level vocabulary).
 - ``bench``: the Qwen2-shaped benchmark model (vocab 512, d 256, 4 layers, 8 heads, 4 KV heads, MLP 1024).
-- real shapes for accelerator users: ``qwen2.5-0.5b``, ``qwen2.5-1.5b``, ``qwen2.5-7b``, ``llama-3-8b``.
+- real shapes for accelerator users: ``qwen2.5-0.5b``, ``qwen2.5-1.5b``, ``qwen2.5-7b``, ``llama-3-8b``
+  (weights stored in bfloat16, as Hugging Face ships them: for inference, or training where memory rules).
+- mixed precision for training on one accelerator: ``qwen2.5-0.5b-mixed``, ``qwen2.5-1.5b-mixed``: float32
+  master weights (``param_dtype``; the optimizer updates them and its moments are float32 too), bfloat16
+  matmuls and activations (``dtype``: every weight is cast to bfloat16 where it is used), float32 logits,
+  log-softmax and loss, and blocks rematerialised with the ``dots_with_no_batch_dims_saveable`` policy.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 # Logical axis name -> mesh axis (or tuple of mesh axes, or None = replicated).
@@ -26,6 +32,22 @@ DEFAULT_AXIS_RULES: tuple[tuple[str, Any], ...] = (
     ("head_dim", None),
     ("seq", None),
 )
+
+
+# Named ``jax.checkpoint`` policies for ``ModelConfig.remat_policy``: what the forward pass of a block keeps for
+# the backward pass (the rest is recomputed).
+#   nothing_saveable: only the block's input (least memory, one extra forward of every block).
+#   dots_saveable: every matmul output (attention scores and probabilities included, as ``[B, K, G*T, S]``).
+#   dots_with_no_batch_dims_saveable: the projections' outputs (2-D matmuls, no batch dimension: QKV, output,
+#     gate/up, down) but not the attention einsums (batched over batch x KV head), which are recomputed: the
+#     ``O(T^2)`` tensors are not kept, the ``O(T E)`` ones are.
+#   everything_saveable: keeps what no remat keeps (for tests: the same program under ``jax.checkpoint``).
+REMAT_POLICIES: dict[str, Any] = {
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "everything_saveable": jax.checkpoint_policies.everything_saveable,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +71,8 @@ class ModelConfig:
     param_dtype: storage dtype of parameters.
     dtype: compute dtype of activations/matmuls (logits and softmax are always float32).
     remat: rematerialise each block in the backward pass (saves memory, costs compute).
+    remat_policy: what a rematerialised block saves, a name in :data:`REMAT_POLICIES` (used when ``remat``;
+      the default ``nothing_saveable`` is what ``remat=True`` always did).
     value_head: add a scalar value head on the final hidden state (the PPO critic).
     initializer_range: std of the normal initialiser.
     axis_rules: logical axis -> mesh axis rules (see ``DEFAULT_AXIS_RULES``).
@@ -71,6 +95,7 @@ class ModelConfig:
   param_dtype: str = "float32"
   dtype: str = "float32"
   remat: bool = False
+  remat_policy: str = "nothing_saveable"
   value_head: bool = False
   initializer_range: float = 0.02
   axis_rules: tuple[tuple[str, Any], ...] = DEFAULT_AXIS_RULES
@@ -88,6 +113,8 @@ class ModelConfig:
     for name in ("param_dtype", "dtype"):
       if getattr(self, name) not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"{name}={getattr(self, name)!r}; expected float32, bfloat16 or float16")
+    if self.remat_policy not in REMAT_POLICIES:
+      raise ValueError(f"remat_policy={self.remat_policy!r}; expected one of {', '.join(REMAT_POLICIES)}")
     if self.model_type not in ("qwen2", "llama"):
       raise ValueError(f"model_type={self.model_type!r}; expected 'qwen2' or 'llama'")
     if isinstance(self.rope_scaling, dict):
@@ -100,6 +127,11 @@ class ModelConfig:
   @property
   def jnp_param_dtype(self):
     return jnp.dtype(self.param_dtype)
+
+  @property
+  def checkpoint_policy(self):
+    """The ``jax.checkpoint`` policy of :attr:`remat_policy`, or ``None`` when blocks are not rematerialised."""
+    return REMAT_POLICIES[self.remat_policy] if self.remat else None
 
   @property
   def num_groups(self) -> int:
@@ -131,6 +163,15 @@ _PRESETS: dict[str, ModelConfig] = {
     "qwen2.5-1.5b": ModelConfig(vocab_size=151936, hidden_size=1536, num_layers=28, num_heads=12,
                                 num_kv_heads=2, mlp_dim=8960, rope_theta=1000000.0, tie_embeddings=True,
                                 max_position_embeddings=32768, param_dtype="bfloat16", dtype="bfloat16"),
+    # Float32 masters, bfloat16 compute: the presets above with param_dtype float32 (see the module docstring).
+    "qwen2.5-0.5b-mixed": ModelConfig(vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14,
+                                      num_kv_heads=2, mlp_dim=4864, rope_theta=1000000.0, tie_embeddings=True,
+                                      max_position_embeddings=32768, param_dtype="float32", dtype="bfloat16",
+                                      remat=True, remat_policy="dots_with_no_batch_dims_saveable"),
+    "qwen2.5-1.5b-mixed": ModelConfig(vocab_size=151936, hidden_size=1536, num_layers=28, num_heads=12,
+                                      num_kv_heads=2, mlp_dim=8960, rope_theta=1000000.0, tie_embeddings=True,
+                                      max_position_embeddings=32768, param_dtype="float32", dtype="bfloat16",
+                                      remat=True, remat_policy="dots_with_no_batch_dims_saveable"),
     "qwen2.5-7b": ModelConfig(vocab_size=152064, hidden_size=3584, num_layers=28, num_heads=28,
                               num_kv_heads=4, mlp_dim=18944, rope_theta=1000000.0, tie_embeddings=False,
                               max_position_embeddings=32768, param_dtype="bfloat16", dtype="bfloat16",

@@ -23,6 +23,34 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
+# Named logical-axis rule sets (``ModelConfig(axis_rules=AXIS_RULE_SETS[name])``). In all of them the batch
+# is split over ``data`` x ``fsdp``; they differ in how the parameters are split.
+#   fsdp: parameters split along ``embed`` over ``fsdp`` (ZeRO-3 style: each device holds ``1/fsdp`` of every
+#     weight and its Adam moments, XLA all-gathers a weight where it is used and reduce-scatters its
+#     gradient), nothing over ``tensor``. One GPU: ``make_mesh(1, 1, 1)``, every split is trivial (FSDP-1).
+#     Several GPUs of one host, or a small model on a TPU slice: ``make_mesh(data=1, fsdp=-1)``.
+#   fsdp_tp: ``fsdp`` plus tensor parallelism over ``tensor``: heads, KV groups (whole ``q | k | v`` groups,
+#     see ``transformer.group_qkv``), MLP columns (whole ``gate | up`` pairs) and the vocabulary. For a TPU
+#     slice, e.g. ``make_mesh(data=1, fsdp=-1, tensor=4)`` for a model whose KV heads ``tensor`` divides (a
+#     dimension that ``tensor`` does not divide stays replicated: Qwen2.5-0.5B/1.5B have 2 KV heads, so
+#     their fused QKV splits over ``tensor <= 2`` only). Equal to ``config.DEFAULT_AXIS_RULES``.
+#   data_parallel: parameters replicated, only the batch split (small models, many devices).
+AXIS_RULE_SETS: dict[str, tuple[tuple[str, Any], ...]] = {
+    "fsdp": (("batch", ("data", "fsdp")), ("embed", "fsdp"), ("vocab", None), ("heads", None),
+             ("kv_heads", None), ("mlp", None), ("head_dim", None), ("seq", None)),
+    "fsdp_tp": (("batch", ("data", "fsdp")), ("embed", "fsdp"), ("vocab", "tensor"), ("heads", "tensor"),
+                ("kv_heads", "tensor"), ("mlp", "tensor"), ("head_dim", None), ("seq", None)),
+    "data_parallel": (("batch", ("data", "fsdp")), ("embed", None), ("vocab", None), ("heads", None),
+                      ("kv_heads", None), ("mlp", None), ("head_dim", None), ("seq", None)),
+}
+
+
+def axis_rules(name: str) -> tuple[tuple[str, Any], ...]:
+  """The rule set ``name`` of :data:`AXIS_RULE_SETS`."""
+  if name not in AXIS_RULE_SETS:
+    raise ValueError(f"unknown axis rule set {name!r}; expected one of {', '.join(AXIS_RULE_SETS)}")
+  return AXIS_RULE_SETS[name]
+
 
 def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1,
               devices: Sequence[jax.Device] | None = None) -> Mesh:

@@ -426,8 +426,8 @@ class Transformer(nnx.Module):
     def run_block(block, x2):
       return block(x2, b, rope, mask)
 
-    if self.cfg.remat:
-      run_block = nnx.remat(run_block)
+    if self.cfg.remat:  # Rematerialised under the config's named jax.checkpoint policy (`REMAT_POLICIES`).
+      run_block = nnx.remat(run_block, policy=self.cfg.checkpoint_policy)
     outputs = []
     for block in self.blocks:
       x2 = run_block(block, x2)
