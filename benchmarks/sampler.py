@@ -23,6 +23,8 @@ The last lines read ``sampler_speedup_vs_transformers_b{1,8,32}=<ratio>`` (new t
 from __future__ import annotations
 
 if __name__ == "__main__":
+  from lemon_rl.utils.allocator import reexec_with_malloc_tuning  # pylint: disable=g-import-not-at-top
+  reexec_with_malloc_tuning("--default-malloc")  # as the launcher runs (train_step.py's docstring)
   from cpus import restrict_cpus_from_argv  # pylint: disable=g-import-not-at-top
   restrict_cpus_from_argv()
   import conditions  # pylint: disable=g-import-not-at-top,unused-import  (load baseline before the imports)
@@ -148,6 +150,8 @@ def main():
   parser.add_argument("--group-new", type=int, default=128, help="group case: new tokens")
   parser.add_argument("--group-prompts", type=int, default=8, help="group case: distinct prompts")
   parser.add_argument("--group-size", type=int, default=8, help="group case: rows per prompt (G)")
+  parser.add_argument("--default-malloc", action="store_true",
+                      help="keep glibc's default allocator settings (the launcher's are used otherwise)")
   parser.add_argument("--cpus", type=int, default=0, help="pin to the first N CPUs (0 = all)")
   args = parser.parse_args()
   cases = set(args.cases.split(","))

@@ -24,6 +24,8 @@ Last line: ``speculative_speedup_b1=<x> speculative_speedup_b8=<x> tau=<x>`` (gr
 from __future__ import annotations
 
 if __name__ == "__main__":
+  from lemon_rl.utils.allocator import reexec_with_malloc_tuning  # pylint: disable=g-import-not-at-top
+  reexec_with_malloc_tuning("--default-malloc")  # as the launcher runs (train_step.py's docstring)
   from cpus import restrict_cpus_from_argv  # pylint: disable=g-import-not-at-top
   restrict_cpus_from_argv()
 
@@ -77,6 +79,8 @@ def main():
   parser.add_argument("--repeats", type=int, default=2)
   parser.add_argument("--tie-gap", type=float, default=1e-4, help="top-two logit gap below which a greedy "
                       "difference is a near-tie (float32 rounding of the K+1-token verification)")
+  parser.add_argument("--default-malloc", action="store_true",
+                      help="keep glibc's default allocator settings (the launcher's are used otherwise)")
   parser.add_argument("--cpus", type=int, default=0, help="pin to the first N CPUs (0 = all)")
   args = parser.parse_args()
   if args.repeats < 2:
