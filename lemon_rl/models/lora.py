@@ -56,7 +56,7 @@ from lemon_rl.models.config import ModelConfig
 from lemon_rl.models.sharding import tree_shardings
 from lemon_rl.models.transformer import Transformer
 from lemon_rl.training.checkpoint import Checkpointer
-from lemon_rl.training.state import LossFn, TrainState
+from lemon_rl.training.state import LossFn, TrainState, apply_gradient_sum
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 # Hugging Face module of each target, under ``model.layers.{i}.``.
@@ -326,13 +326,7 @@ def lora_update_step(graphdef, base_params, state: TrainState, batch: Any, *, lo
   """
   loss, metrics, grad_sum = accumulate_adapter_gradients(graphdef, base_params, state.params, batch, loss_fn,
                                                          lora_cfg, num_microbatches)
-  grads = jax.tree.map(lambda g: g / jnp.maximum(loss.denominator, 1e-9), grad_sum)
-  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
-  values = ops.metric_values(metrics)
-  values["loss"] = loss.value
-  values["grad_norm"] = optax.tree.norm(grads)
-  return state.replace(params=params, opt_state=opt_state, step=state.step + 1), values
+  return apply_gradient_sum(state, loss, metrics, grad_sum, optimizer)
 
 
 # -- adapter-only checkpoints --------------------------------------------------------------------------

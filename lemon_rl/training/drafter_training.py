@@ -167,13 +167,7 @@ def update_step(head_def, state: TrainState, target_def, target_params, batch: M
 
   total, metrics, grad_sum = state_lib.accumulate_gradients(head_def, state.params, batch, loss_fn,
                                                             num_microbatches)
-  grads = jax.tree.map(lambda g: g / jnp.maximum(total.denominator, 1e-9), grad_sum)
-  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
-  values = ops.metric_values(metrics)
-  values["loss"] = total.value
-  values["grad_norm"] = optax.tree.norm(grads)
-  return state.replace(params=params, opt_state=opt_state, step=state.step + 1), values
+  return state_lib.apply_gradient_sum(state, total, metrics, grad_sum, optimizer)
 
 
 @functools.partial(jax.jit, static_argnames=("head_def", "target_def", "loss"))

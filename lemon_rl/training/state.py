@@ -147,10 +147,17 @@ def update_step(graphdef, state: TrainState, batch: Any, *, loss_fn: LossFn,
                 optimizer: optax.GradientTransformation, num_microbatches: int = 1):
   """One optimizer step on ``batch``; returns ``(new_state, {name: scalar})``."""
   loss, metrics, grad_sum = accumulate_gradients(graphdef, state.params, batch, loss_fn, num_microbatches)
+  return apply_gradient_sum(state, loss, metrics, grad_sum, optimizer)
+
+
+def apply_gradient_sum(state: TrainState, loss, metrics, grad_sum, optimizer: optax.GradientTransformation):
+  """The optimizer step from :func:`accumulate_gradients`' outputs: ``grads = grad_sum / loss.denominator``,
+  ``state.params`` updated and ``state.step + 1``; returns ``(new_state, {name: scalar})`` with the reduced
+  ``metrics``, ``"loss"`` and ``"grad_norm"`` (the global L2 norm of ``grads``)."""
   grads = jax.tree.map(lambda g: g / jnp.maximum(loss.denominator, 1e-9), grad_sum)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   values = ops.metric_values(metrics)
   values["loss"] = loss.value
-  values["grad_norm"] = optax.global_norm(grads)
+  values["grad_norm"] = optax.tree.norm(grads)
   return state.replace(params=params, opt_state=opt_state, step=state.step + 1), values
