@@ -1,9 +1,10 @@
 """Chat templates and whole-directory loading against ``transformers`` (test-only comparison).
 
-Each model directory is built here, nothing downloaded: a byte-level BPE ``tokenizer.json`` trained by the
-``tokenizers`` library in the public format of Qwen2 / Llama 3 (their pre-tokenizer regex, added control
-tokens after the BPE vocabulary), the config files those models ship, a verbatim public chat template from
-``tests/fixtures/chat_templates/``, and a tiny random checkpoint saved by ``transformers``.
+Each model directory is built by ``experiments.make_tiny_checkpoint.write_model_dir``, nothing downloaded: a
+byte-level BPE ``tokenizer.json`` trained by the ``tokenizers`` library in the public format of Qwen2 / Llama 3
+(their pre-tokenizer regex, added control tokens after the BPE vocabulary), the config files those models ship, a
+verbatim public chat template from ``tests/fixtures/chat_templates/``, and a tiny random checkpoint saved by
+``transformers``.
 """
 
 import json
@@ -17,29 +18,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, \
-  processors, trainers  # noqa: E402
-
+from experiments.make_tiny_checkpoint import write_json as _write_json  # noqa: E402
+from experiments.make_tiny_checkpoint import write_model_dir  # noqa: E402
 from lemon_rl.models.hf import load_hf_policy  # noqa: E402
 from lemon_rl.sampling import generate  # noqa: E402
 from lemon_rl.text import ChatTemplate, HFTokenizer  # noqa: E402
-
-FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "chat_templates")
-QWEN_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-              r"\s*[\r\n]+|\s+(?!\S)|\s+")
-LLAMA_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-               r"\s*[\r\n]+|\s+(?!\S)|\s+")
-CORPUS = [
-    "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
-    "Cutting Knowledge Date: December 2023. Today Date: 26 Jul 2024. Environment: ipython",
-    "What is the weather in Paris? Use the tools: get_weather(location, unit).",
-    '{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}',
-    "The answer is 42. Let me think step by step about 12+30 and then reply.",
-]
-QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-QWEN_ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
-LLAMA_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-                 "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather",
@@ -117,88 +100,10 @@ TEMPLATE_KWARGS = {
 }
 
 
-def _train_tokenizer(regex: str, special: list[str], added: list[str], bos: str | None) -> Tokenizer:
-  """A byte-level BPE in Qwen2's / Llama 3's ``tokenizer.json`` layout, control tokens after the BPE ids."""
-  tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
-  tok.normalizer = normalizers.NFC()
-  tok.pre_tokenizer = pre_tokenizers.Sequence([
-      pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
-      pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
-  tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
-  trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                show_progress=False)
-  tok.train_from_iterator(CORPUS * 10, trainer)
-  tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
-  tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
-  if bos is not None:  # Llama 3 prepends BOS in its post-processor; a chat template must not get it twice.
-    bos_id = tok.token_to_id(bos)
-    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-                                                       special_tokens=[(bos, bos_id)])
-  else:
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-  return tok
-
-
-def _write_json(path, obj):
-  with open(path, "w", encoding="utf-8") as f:
-    json.dump(obj, f, indent=2, ensure_ascii=False)
-
-
-def _build_dir(path: str, template: str) -> str:
-  """Writes a complete model directory for ``template`` (a fixture name) at ``path``."""
-  llama = template.startswith("llama")
-  os.makedirs(path, exist_ok=True)
-  tok = _train_tokenizer(LLAMA_REGEX if llama else QWEN_REGEX, LLAMA_SPECIAL if llama else QWEN_SPECIAL,
-                         [] if llama else QWEN_ADDED, "<|begin_of_text|>" if llama else None)
-  tok.save(os.path.join(path, "tokenizer.json"))
-  tid = tok.token_to_id
-  with open(os.path.join(FIXTURES, template + ".jinja"), encoding="utf-8") as f:
-    chat_template = f.read()
-  added = {str(i): {"content": t.content, "lstrip": False, "normalized": False, "rstrip": False,
-                    "single_word": False, "special": t.special}
-           for i, t in sorted(tok.get_added_tokens_decoder().items())}
-  vocab = -(-tok.get_vocab_size() // 16) * 16  # Embedding rows beyond the tokenizer, as real checkpoints have.
-  torch.manual_seed(0)
-  if llama:
-    _write_json(os.path.join(path, "tokenizer_config.json"), {
-        "added_tokens_decoder": added, "bos_token": "<|begin_of_text|>", "chat_template": chat_template,
-        "clean_up_tokenization_spaces": True, "eos_token": "<|eot_id|>", "model_max_length": 131072,
-        "tokenizer_class": "PreTrainedTokenizerFast"})
-    eos = [tid("<|end_of_text|>"), tid("<|eom_id|>"), tid("<|eot_id|>")]
-    _write_json(os.path.join(path, "generation_config.json"),
-                {"bos_token_id": tid("<|begin_of_text|>"), "eos_token_id": eos, "do_sample": True})
-    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                                   rope_theta=500000.0, tie_word_embeddings=False,
-                                   bos_token_id=tid("<|begin_of_text|>"), eos_token_id=eos)
-    model = transformers.LlamaForCausalLM(cfg)
-  else:
-    _write_json(os.path.join(path, "tokenizer_config.json"), {
-        "add_prefix_space": False, "added_tokens_decoder": added,
-        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"], "bos_token": None,
-        "chat_template": chat_template, "clean_up_tokenization_spaces": False, "eos_token": "<|im_end|>",
-        "errors": "replace", "model_max_length": 32768, "pad_token": "<|endoftext|>",
-        "split_special_tokens": False, "tokenizer_class": "Qwen2Tokenizer", "unk_token": None})
-    eos = [tid("<|im_end|>"), tid("<|endoftext|>")]
-    _write_json(os.path.join(path, "generation_config.json"),
-                {"bos_token_id": tid("<|endoftext|>"), "pad_token_id": tid("<|endoftext|>"), "eos_token_id": eos})
-    cfg = transformers.Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                                   rope_theta=1000000.0, tie_word_embeddings=False,
-                                   bos_token_id=tid("<|endoftext|>"), eos_token_id=tid("<|im_end|>"))
-    model = transformers.Qwen2ForCausalLM(cfg)
-  model.save_pretrained(path)  # config.json + model.safetensors (and its own generation_config.json).
-  # save_pretrained rewrote generation_config.json from cfg; put the directory's declared EOS list back.
-  gen = json.load(open(os.path.join(path, "generation_config.json")))
-  gen["eos_token_id"] = eos
-  _write_json(os.path.join(path, "generation_config.json"), gen)
-  return path
-
-
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
   root = tmp_path_factory.mktemp("hf_dirs")
-  return {name: _build_dir(str(root / name), name) for name in CASES}
+  return {name: write_model_dir(str(root / name), name) for name in CASES}
 
 
 @pytest.fixture(scope="module")

@@ -139,13 +139,15 @@ def tool_use_task(cfg, data_dir: str) -> Task:
   rewards and data order come from ``prepare_rl`` (``task.reward``: ``"exact"`` = plain GRPO, ``"cast"`` =
   case library -> :class:`lemon_rl.rewards.cast.CastReward` + curriculum; options in ``task.cast``).
   Config fields: ``data_seed``, ``num_sft``, ``num_train``, ``num_validation``, ``num_test``, ``category_weights``,
-  ``style`` (call syntax), ``max_prompt_bytes``, ``max_completion_bytes``, ``reward``, ``cast``.
+  ``style`` (call syntax), ``max_prompt_bytes``, ``max_completion_bytes``, ``reward``, ``cast``; optional
+  ``source`` (``"synthetic"`` or ``"bfcl"``: BFCL-format files, with ``bfcl_dir`` and ``bfcl_categories``) and
+  ``tokenizer`` (``"byte"`` or a directory) (``lemon_rl.envs.tool_use_task``).
   """
   del data_dir
   import functools  # pylint: disable=g-import-not-at-top
   from lemon_rl.envs import tool_use_task as tut  # pylint: disable=g-import-not-at-top
 
-  tokenizer = ByteTokenizer()
+  tokenizer = tut.task_tokenizer(cfg)
   train = tut.make_split(cfg, "train")
   score = tut.ToolUseScore(tokenizer)
   # Completion budget: the longest demonstration, EOS and a little slack for sampled outputs.
@@ -160,7 +162,7 @@ def tool_use_task(cfg, data_dir: str) -> Task:
       eval_reward=score,
       max_new_tokens=budget,
       max_completion_len=budget,
-      prompt_len=1 + int(cfg.max_prompt_bytes),  # BOS + the longest prompt (one compiled shape, no pow2 slack).
+      prompt_len=tut.prompt_len(cfg),  # Byte tokenizer: BOS + the longest prompt (one shape, no pow2 slack).
       prepare_rl=functools.partial(tut.prepare_rl, cfg, train),
   )
 

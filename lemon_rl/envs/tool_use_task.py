@@ -19,6 +19,16 @@ Pieces (the task itself is registered in :mod:`lemon_rl.envs.tasks` as ``"tool_u
   ``<workdir>/cases/``; a resumed run rebuilds the profiles from that file instead of re-sampling) ->
   complexity and failure profiles -> :class:`lemon_rl.rewards.cast.CastReward` and the curriculum.
 
+BFCL-format data (``task.source = "bfcl"``; the synthetic world is ``"synthetic"``, the default): the entries
+of ``task.bfcl_categories`` in a folder laid out like bfcl-eval's ``data/`` (``task.bfcl_dir``; "" = the
+installed bfcl-eval's), read by :func:`lemon_rl.envs.bfcl_data.load_bfcl`, become records of the same fields
+(:func:`bfcl_splits`: prompt = compact signatures + the user turn, demonstration = the gold's first acceptable
+answer with a one-line thinking, difficulty ``"easy"`` iff at most one gold call; system messages are dropped),
+those over the byte limits are left out, and each record goes to the bucket of :func:`bfcl_key` (its normalised
+query) under the same :data:`BUCKETS`; ``num_*`` cap each split (``-1``: all). ``task.tokenizer`` (``"byte"`` or a
+tokenizer directory; set to the policy's by the experiment when it loads a Hugging Face checkpoint) is the
+tokenizer of the task (the byte tokenizer's prompt slots are ``1 + max_prompt_bytes``, another's a bucket).
+
 Splits by content (``lemon_rl.data.splits``). *Decision*: the content key (:func:`canonical_key`) is the
 REQUEST, the multiset of calls the query asks for, each normalised by
 :func:`lemon_rl.envs.tool_world.canonical_call` (tool name + arguments with sorted keys, canonical numbers
@@ -46,6 +56,7 @@ keys: 39,042 in the 112,000 SFT records, 400 in the 640 RL prompts, 220 in the 3
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import random
@@ -63,6 +74,7 @@ from lemon_rl.data.curriculum import CurriculumSampler
 from lemon_rl.data.curriculum import example_hardness
 from lemon_rl.data.pipeline import BatchIterator
 from lemon_rl.data.pipeline import collate
+from lemon_rl.envs import bfcl_data
 from lemon_rl.envs import tool_use
 from lemon_rl.envs import tool_world
 from lemon_rl.rewards.base import RewardOutput
@@ -72,10 +84,12 @@ from lemon_rl.rewards.combine import WeightedReward
 from lemon_rl.rewards.tool_calls import DIMENSIONS
 from lemon_rl.sampling import generate
 from lemon_rl.text.decoding import decode_completion, encode_prompt
+from lemon_rl.text.tokenizers import load_tokenizer
 from lemon_rl.utils import config_checks as cc
 
 DIFFICULTIES = ("easy", "hard")
 REWARDS = ("cast", "exact")
+SOURCES = ("synthetic", "bfcl")
 CASES_DIR = "cases"
 CASES_FILE = "cases.jsonl"
 PROFILE_FILE = "profile.json"
@@ -136,6 +150,8 @@ def _fitting_example(rng, category: str, style: str, max_prompt_bytes: int, max_
 def make_split(cfg, split: str) -> list[dict[str, Any]]:
   """The records of one split (``sft``, ``train``, ``validation`` or ``test``); a pure function of the config.
 
+  ``task.source = "bfcl"``: :func:`bfcl_splits` (module docstring). Otherwise the synthetic world:
+
   Record ``i`` draws its category from ``cfg.category_weights``, then examples of that category until one
   fits ``max_prompt_bytes`` / ``max_completion_bytes`` and its :func:`canonical_key` lies in the split's
   bucket (:func:`bucket_of`); draws are i.i.d., so a request may repeat within a split, never across splits.
@@ -144,6 +160,8 @@ def make_split(cfg, split: str) -> list[dict[str, Any]]:
   """
   if split not in SPLITS:
     raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+  if cfg.get("source", "synthetic") == "bfcl":
+    return bfcl_splits(cfg)[split]
   n = int({"sft": cfg.num_sft, "train": cfg.num_train, "test": cfg.num_test,
            "validation": cfg.num_validation}[split])
   weights = {k: float(v) for k, v in dict(cfg.category_weights).items()}
@@ -166,6 +184,50 @@ def make_split(cfg, split: str) -> list[dict[str, Any]]:
 
 def _compact_json(value: Any) -> str:
   return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _categories(value: Any) -> tuple[str, ...]:
+  if isinstance(value, str):
+    return tuple(c.strip() for c in value.split(",") if c.strip())
+  return tuple(value)
+
+
+def bfcl_key(example: Mapping[str, Any]) -> str:
+  """The content key of a BFCL entry: its user turn, whitespace-collapsed and case-folded, so the entries that
+  share a query (BFCL's ``multiple`` reuses ``simple``'s questions with more functions) land in one split."""
+  return "bfcl:" + " ".join(example["query"].split()).casefold()
+
+
+def bfcl_splits(cfg) -> dict[str, list[dict[str, Any]]]:
+  """Records of every split from BFCL-format files (module docstring): each split's categories interleaved
+  (``c1[0], c2[0], ..., c1[1], ...``), file order within a category, then capped at ``num_<split>``."""
+  data_dir = cfg.get("bfcl_dir", "") or None
+  max_prompt, max_completion = int(cfg.max_prompt_bytes), int(cfg.max_completion_bytes)
+  by_category: dict[str, dict[str, list[dict[str, Any]]]] = {split: {} for split in SPLITS}
+  for category in _categories(cfg.get("bfcl_categories", "")):
+    for ex in bfcl_data.load_bfcl(category, style=cfg.style, data_dir=data_dir):
+      if len(ex["prompt"].encode()) > max_prompt or len(ex["demonstration"].encode()) > max_completion:
+        continue
+      by_category[bucket_of(bfcl_key(ex))].setdefault(category, []).append({
+          "id": ex["id"], "category": ex["category"], "difficulty": "easy" if len(ex["gold"]) <= 1 else "hard",
+          "num_conversions": int(ex["num_conversions"]), "prompt": ex["prompt"], "completion": ex["demonstration"],
+          "gold": _compact_json(ex["gold"]), "functions": _compact_json(ex["functions"]), "query": ex["query"]})
+  out = {}
+  for split, groups in by_category.items():  # Categories interleaved, so that a capped split keeps the mix.
+    rows = [r for column in itertools.zip_longest(*groups.values()) for r in column if r is not None]
+    n = int(cfg[f"num_{split}"])
+    out[split] = rows[:n] if n >= 0 else rows
+  return out
+
+
+def task_tokenizer(cfg):
+  """``task.tokenizer`` (``"byte"`` by default, the CAST tokenizer with ``<think>`` / ``<tool_call>`` ids)."""
+  return load_tokenizer(cfg.get("tokenizer", "byte"))
+
+
+def prompt_len(cfg) -> int | None:
+  """Prompt slots of training sequences: BOS + ``max_prompt_bytes`` for the byte tokenizer, else a bucket."""
+  return 1 + int(cfg.max_prompt_bytes) if cfg.get("tokenizer", "byte") == "byte" else None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -358,8 +420,26 @@ def prepare_rl(task_cfg, train_records: Sequence[Mapping[str, Any]], model, toke
 def check_config(config) -> None:
   """The ``tool_use`` task section (CAST): split sizes, category mix, reward and case-library options."""
   task, rl = config.task, config.rl
-  cc.require_positive(task, "task", "num_sft", "num_train", "num_validation", "num_test", "max_prompt_bytes",
-                      "max_completion_bytes")
+  source = task.get("source", "synthetic")
+  cc.require_choice(SOURCES, "task.source", source)
+  cc.require_positive(task, "task", "max_prompt_bytes", "max_completion_bytes")
+  for split in SPLITS:
+    n = task[f"num_{split}"]
+    cc.require(isinstance(n, int) and (n >= 1 or (source == "bfcl" and n == -1)), f"task.num_{split}", n,
+               "must be >= 1" + (" or -1 (all)" if source == "bfcl" else ""))
+  if source == "bfcl":
+    categories = _categories(task.get("bfcl_categories", ""))
+    cc.require(bool(categories), "task.bfcl_categories", task.get("bfcl_categories", ""), "must name BFCL categories")
+    for c in categories:
+      cc.require(c in bfcl_data.CATEGORY_FILES, "task.bfcl_categories", task.bfcl_categories,
+                 f"unknown category {c!r}; expected among {', '.join(bfcl_data.CATEGORY_FILES)}")
+    bfcl_dir = task.get("bfcl_dir", "")
+    if bfcl_dir:
+      cc.require(os.path.isdir(bfcl_dir), "task.bfcl_dir", bfcl_dir, "must be a folder laid out like "
+                 "bfcl-eval's data/ (BFCL_v4_<category>.json, possible_answer/)")
+    else:
+      cc.require(bfcl_data.bfcl_available(), "task.bfcl_dir", bfcl_dir,
+                 f"'' reads the installed bfcl-eval's data, which is missing: {bfcl_data.INSTALL_HINT}")
   weights = dict(task.category_weights)
   for k, v in weights.items():
     cc.require(k in tool_use.CATEGORIES, f"task.category_weights.{k}", v,

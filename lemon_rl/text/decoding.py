@@ -22,6 +22,36 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
   """The token ids a prompt is sampled and trained from: BOS first when the tokenizer has one.
 
   Llama-style tokenizers declare a BOS that every sequence starts with; others (Qwen2) have none, so the
-  prompt is the text's ids alone. Every trainer, evaluation and sampler call encodes prompts here.
+  prompt is the text's ids alone. A tokenizer with its own ``encode_prompt`` (:class:`ChatPromptTokenizer`)
+  encodes it instead. Every trainer, evaluation and sampler call encodes prompts here.
   """
+  encode = getattr(tokenizer, "encode_prompt", None)
+  if encode is not None:
+    return list(encode(text))
   return tokenizer.encode(text, add_bos=tokenizer.bos_id is not None)
+
+
+class ChatPromptTokenizer:
+  """A tokenizer whose prompts are rendered as one user turn of a chat template (instruct models).
+
+  A prompt ``text`` becomes ``template.encode([{"role": "user", "content": text}], add_generation_prompt=True)``:
+  the ids of ``transformers``' ``apply_chat_template`` (the template writes BOS, the default system message
+  and the assistant header itself). Everything else (``encode`` of completions, ``decode``, ``eos_ids``,
+  ``pad_id``, ...) is the wrapped tokenizer's, so completions end with its EOS and generation stops on each of
+  its EOS ids. Multi-turn episodes are out of scope: only the first observation would be rendered.
+  """
+
+  def __init__(self, tokenizer, template):
+    self.tokenizer = tokenizer
+    self.template = template
+
+  def __getattr__(self, name: str):
+    if name in ("tokenizer", "template"):  # Not set yet (e.g. while unpickling): no recursion.
+      raise AttributeError(name)
+    return getattr(self.tokenizer, name)
+
+  def encode_prompt(self, text: str) -> list[int]:
+    return self.template.encode([{"role": "user", "content": text}], add_generation_prompt=True)
+
+  def __repr__(self) -> str:
+    return f"ChatPromptTokenizer({self.tokenizer!r}, {self.template!r})"

@@ -21,6 +21,17 @@ def get_base_config() -> config_dict.ConfigDict:
   c.model = config_dict.ConfigDict()
   c.model.preset = "tiny"  # lemon_rl.models.config preset: d 128, 2 layers, 4 heads (2 KV), MLP 512.
   c.model.overrides = config_dict.ConfigDict()  # ModelConfig fields replacing the preset's, e.g. num_layers=4.
+  c.model.axis_rules = ""  # Sharding rule set, a name in lemon_rl.models.AXIS_RULE_SETS ("" = the preset's).
+  # A local Hugging Face model directory (config.json, safetensors, tokenizer.json, tokenizer_config.json,
+  # generation_config.json; lemon_rl.models.hf.load_hf_policy): the policy starts from its weights, with its
+  # architecture and the preset's numerics (param_dtype, dtype, remat, remat_policy, value_head; overrides and
+  # axis_rules on top), and the task uses its tokenizer (every declared EOS id stops generation) instead of its
+  # own. "" = a random init of the preset with the task's tokenizer.
+  c.model.hf_checkpoint = ""
+  # Render every prompt as one user message of the checkpoint's chat template, with the assistant header
+  # (lemon_rl.text.decoding.ChatPromptTokenizer: the ids of transformers' apply_chat_template); for instruct
+  # models. False = the task's prompt text as it is (base models). Needs hf_checkpoint.
+  c.model.chat_template = False
 
   c.mesh = config_dict.ConfigDict()
   c.mesh.data = -1  # Data-parallel axis (-1 = all remaining devices).

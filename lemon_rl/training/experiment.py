@@ -6,6 +6,10 @@ is 0), e.g. ``("sft", "rl")``: masked NLL on demonstrations from a random init, 
 ``rl.algorithm`` from the SFT parameters with a fresh optimizer. Each phase starts from the parameters the
 previous one ended with.
 
+The policy is a random init of ``model.preset`` with the task's tokenizer, or, with ``model.hf_checkpoint``, a
+local Hugging Face model directory (:func:`build_policy`): its weights, tokenizer (every declared EOS id) and,
+with ``model.chat_template``, its chat template for every prompt; the task's data and rewards stay the task's.
+
 Each phase checkpoints into ``workdir/checkpoints/<phase>`` (parameters, optimizer state, step, PRNG key,
 data-iterator position, elapsed time). Re-running on the same ``workdir`` resumes from the latest committed
 checkpoint; a SIGTERM makes the run save a checkpoint at the end of the current step and exit with status 143.
@@ -20,6 +24,7 @@ every process learns whether any received SIGTERM (the preemption sync point), s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -34,6 +39,9 @@ from tqdm import tqdm
 from lemon_rl.envs.tasks import TASKS, Task
 from lemon_rl.eval import evaluate
 from lemon_rl.models import Transformer, activation_sharding, get_preset, make_mesh, shard_model
+from lemon_rl.models.hf import load_hf_policy
+from lemon_rl.models.sharding import axis_rules
+from lemon_rl.text.decoding import ChatPromptTokenizer
 from lemon_rl.training import distributed
 from lemon_rl.training.checkpoint import Checkpointer
 from lemon_rl.training.config_validation import validate_config
@@ -76,14 +84,64 @@ def rows(batch: dict[str, Any]) -> list[dict[str, Any]]:
   return [dict(zip(keys, values)) for values in zip(*(batch[k] for k in keys))]
 
 
+# The preset's fields that also apply to a Hugging Face checkpoint (whose config.json gives the architecture).
+CHECKPOINT_PRESET_FIELDS = ("param_dtype", "dtype", "remat", "remat_policy", "value_head")
+
+
+def model_overrides(config) -> dict[str, Any]:
+  """``model.overrides``, with the rule set ``model.axis_rules`` (if named) as ``axis_rules``."""
+  overrides = dict(config.model.overrides)
+  if config.model.get("axis_rules"):
+    overrides.setdefault("axis_rules", axis_rules(config.model.axis_rules))
+  return overrides
+
+
 def build_model(config, vocab_size: int) -> Transformer:
   """The preset with the config's overrides; the vocabulary follows the task's tokenizer."""
-  overrides = dict(config.model.overrides)
+  overrides = model_overrides(config)
   overrides.setdefault("vocab_size", vocab_size)
   if overrides["vocab_size"] < vocab_size:
     raise ValueError(f"config.model.overrides.vocab_size={overrides['vocab_size']} is smaller than the "
                      f"tokenizer's vocabulary ({vocab_size})")
   return Transformer(get_preset(config.model.preset, **overrides), rngs=nnx.Rngs(config.seed))
+
+
+def task_section(config):
+  """``config.task``; with ``model.hf_checkpoint``, a task section that has a ``tokenizer`` field gets the
+  checkpoint there, so that what the task builds with its tokenizer (e.g. a reward's token counts) uses the
+  policy's."""
+  path = config.model.get("hf_checkpoint", "")
+  if not path or "tokenizer" not in config.task or config.task.tokenizer == path:
+    return config.task
+  section = config.task.copy_and_resolve_references()
+  section.tokenizer = path
+  return section
+
+
+def checkpoint_overrides(config) -> dict[str, Any]:
+  """The ``ModelConfig`` fields a Hugging Face checkpoint is loaded with: the preset's
+  :data:`CHECKPOINT_PRESET_FIELDS`, then :func:`model_overrides`."""
+  preset = get_preset(config.model.preset)
+  return {**{name: getattr(preset, name) for name in CHECKPOINT_PRESET_FIELDS}, **model_overrides(config)}
+
+
+def build_policy(config, task: Task) -> tuple[Transformer, Task]:
+  """The initial policy and the task it trains on (module docstring).
+
+  With ``model.hf_checkpoint``: :func:`load_hf_policy` with :func:`checkpoint_overrides`, and the task with the
+  directory's tokenizer, wrapped in :class:`ChatPromptTokenizer` when ``model.chat_template`` is set.
+  Otherwise :func:`build_model` and the task as it is.
+  """
+  path = config.model.get("hf_checkpoint", "")
+  if not path:
+    return build_model(config, task.tokenizer.vocab_size), task
+  model, tokenizer, template = load_hf_policy(path, **checkpoint_overrides(config))
+  if config.model.chat_template:
+    if template is None:
+      raise ValueError(f"config.model.chat_template=True but {path} declares no chat template "
+                       "(tokenizer_config.json's chat_template or chat_template.jinja)")
+    tokenizer = ChatPromptTokenizer(tokenizer, template)
+  return model, dataclasses.replace(task, tokenizer=tokenizer)
 
 
 def _abstract(tree):
@@ -167,10 +225,11 @@ def run(config, workdir: str, final_eval: Callable[[nnx.Module, Task], dict[str,
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(config.to_json_best_effort(indent=2))
   with distributed.main_process_first("build_task"):  # Process 0 prepares the data on disk.
-    task: Task = TASKS.get(config.task.name)(config.task, config.data_dir or os.path.join(workdir, "data"))
+    task: Task = TASKS.get(config.task.name)(task_section(config), config.data_dir or os.path.join(workdir, "data"))
   distributed.check_supported(config, task)
   mesh = make_mesh(**config.mesh)
-  model = shard_model(build_model(config, task.tokenizer.vocab_size), mesh)
+  model, task = build_policy(config, task)
+  model = shard_model(model, mesh)
   writer = MetricsWriter(workdir, tensorboard=config.tensorboard) if distributed.is_main() else \
       distributed.MetricsSink()
   graphdef = nnx.graphdef(model)
