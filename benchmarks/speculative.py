@@ -7,6 +7,9 @@ over ``[prompt_len / 2, prompt_len]``, EOS on) in chunks of ``--batches`` rows, 
 
 * target alone: ``lemon_rl.sampling.generate``;
 * speculative: ``lemon_rl.sampling.speculative_generate`` with ``EagleDrafter`` and ``K = --num-draft``;
+  with several candidates (``--num-draft 1,2,3,4``), ``K`` is chosen per batch size as the one with the most
+  greedy speculative tokens/s on ``--validation-prompts`` other held-out rows (disjoint from the measured
+  prompts), so the choice never sees the prompts the speedup is reported on;
 
 greedy and at temperature 1. Each chunk's time is the best of ``--repeats`` (>= 2, so compilation is never
 timed); tokens/s = emitted tokens / summed chunk times. Greedy outputs are compared token for token with the
@@ -14,9 +17,11 @@ target alone at the same batch size (``lemon_rl.sampling.compare_greedy``: rows 
 target's top-two logits lie within ``--tie-gap`` are near-ties, counted; any other difference is a mismatch
 and fails the run). Also printed: the acceptance length ``tau`` (tokens per target forward, bonus included),
 per-position acceptance, the measured drafter / target decode-step cost ratio ``gamma`` and the speedup it
-implies, ``tau / (1 + K gamma)`` (a ``K+1``-token verification costed as one decode step).
+implies, ``tau / (1 + K gamma)`` (a ``K+1``-token verification costed as one decode step), and the row use:
+a chunk's loop runs until its slowest row is done, so rows that accept more sit idle; row use = the rows'
+verification passes / (rows x the chunk's loop iterations), 1 for a single row.
 
-    python benchmarks/speculative.py --workdir runs/speculative [--num-prompts 100] [--batches 1,8]
+    python benchmarks/speculative.py --workdir runs/speculative [--num-prompts 100] [--batches 1,8] [--num-draft 1,2,3,4]
 
 Last line: ``speculative_speedup_b1=<x> speculative_speedup_b8=<x> tau=<x>`` (greedy; ``tau`` at batch 1).
 """
@@ -44,10 +49,19 @@ from lemon_rl.sampling import compare_greedy, generate, speculative_generate
 from lemon_rl.training.drafter_training import decode_step_seconds, load_speculative
 
 
-def held_out_prompts(test_rows: np.ndarray, num_prompts: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
-  """``num_prompts`` evenly spaced held-out rows, each cut to a length drawn from ``[prompt_len/2, prompt_len]``."""
-  rows = np.linspace(0, len(test_rows) - 1, num_prompts).astype(int)
-  lengths = np.random.default_rng(seed).integers(prompt_len // 2, prompt_len + 1, num_prompts)
+def held_out_rows(num_rows: int, num_prompts: int, num_validation: int) -> tuple[np.ndarray, np.ndarray]:
+  """Disjoint row indices ``(measured, validation)``: ``num_prompts`` evenly spaced rows of ``[0, num_rows)``,
+  then ``num_validation`` evenly spaced among the others."""
+  measured = np.unique(np.linspace(0, num_rows - 1, num_prompts).astype(int))
+  rest = np.setdiff1d(np.arange(num_rows), measured)
+  if len(measured) < num_prompts or len(rest) < num_validation:
+    raise ValueError(f"{num_rows} held-out rows cannot give {num_prompts} + {num_validation} distinct prompts")
+  return measured, rest[np.linspace(0, len(rest) - 1, num_validation).astype(int)] if num_validation else rest[:0]
+
+
+def held_out_prompts(test_rows: np.ndarray, rows: np.ndarray, prompt_len: int, seed: int = 0) -> list[list[int]]:
+  """The held-out ``rows``, each cut to a length drawn from ``[prompt_len/2, prompt_len]``."""
+  lengths = np.random.default_rng(seed).integers(prompt_len // 2, prompt_len + 1, len(rows))
   return [test_rows[r, :n].tolist() for r, n in zip(rows, lengths)]
 
 
@@ -73,7 +87,10 @@ def main():
   parser.add_argument("--num-prompts", type=int, default=100)
   parser.add_argument("--prompt-len", type=int, default=64, help="longest prompt; lengths spread over [n/2, n]")
   parser.add_argument("--new-tokens", type=int, default=128)
-  parser.add_argument("--num-draft", type=int, default=4, help="K, tokens drafted per target forward")
+  parser.add_argument("--num-draft", default="1,2,3,4", help="K, tokens drafted per target forward; a comma list "
+                      "of candidates is chosen from per batch size on the validation prompts")
+  parser.add_argument("--validation-prompts", type=int, default=32,
+                      help="held-out prompts (disjoint from the measured ones) that choose K among candidates")
   parser.add_argument("--batches", default="1,8")
   parser.add_argument("--temperatures", default="0,1")
   parser.add_argument("--repeats", type=int, default=2)
@@ -91,22 +108,47 @@ def main():
   run = conditions.start("speculative decoding vs the target alone (stdlib models)")
   target, head, meta = load_speculative(os.path.join(args.workdir, "checkpoints", "speculative"))
   tokenizer = stdlib_corpus.load_tokenizer(os.path.join(args.workdir, "tokenizer"))
-  prompts = held_out_prompts(np.load(os.path.join(args.workdir, "data", "test.npy")), args.num_prompts,
-                             args.prompt_len)
+  candidates = [int(k) for k in args.num_draft.split(",")]
+  test_rows = np.load(os.path.join(args.workdir, "data", "test.npy"))
+  measured, validation = held_out_rows(len(test_rows), args.num_prompts,
+                                       args.validation_prompts if len(candidates) > 1 else 0)
+  prompts = held_out_prompts(test_rows, measured, args.prompt_len)
+  validation_prompts = held_out_prompts(test_rows, validation, args.prompt_len, seed=1)
   drafter = EagleDrafter(target, head)
-  k = args.num_draft
   print(f"target: {target.cfg.num_params() / 1e6:.2f}M params ({target.cfg.num_layers} blocks, d "
         f"{target.cfg.hidden_size}); drafter reads blocks {head.feature_layers}; corpus {meta['corpus_hash'][:16]}")
   print(f"{len(prompts)} held-out prompts of {args.prompt_len // 2}-{args.prompt_len} tokens, up to "
-        f"{args.new_tokens} new, EOS id {tokenizer.eos_id}, K = {k}, best of {args.repeats} per chunk")
+        f"{args.new_tokens} new, EOS id {tokenizer.eos_id}, K in {candidates}, best of {args.repeats} per chunk")
 
   common = dict(eos_ids=tokenizer.eos_id, pad_id=tokenizer.pad_id, min_prompt_bucket=args.prompt_len)
+
+  def speculative(chunk, k, temperature):
+    return speculative_generate(target, drafter, chunk, args.new_tokens, jax.random.key(0), num_draft=k,
+                                temperature=temperature, **common)
+
+  def choose_num_draft(b: int) -> int:
+    """The candidate with the most greedy speculative tokens/s at batch ``b`` on the validation prompts."""
+    if len(candidates) == 1:
+      return candidates[0]
+    rates, notes = {}, []
+    for k in candidates:
+      outs, seconds = decode_in_chunks(lambda c: speculative(c, k, 0), validation_prompts, b, args.repeats)
+      rates[k] = sum(int(o.lengths.sum()) for o in outs) / seconds
+      iterations = sum(int(o.stats.target_forwards.max()) for o in outs)
+      notes.append(f"K={k}: {rates[k]:.0f} tok/s, {seconds / iterations * 1e3:.1f} ms/iteration")
+    best = max(rates, key=rates.get)
+    print(f"batch {b}: K = {best} chosen on {len(validation_prompts)} validation prompts (greedy speculative: "
+          f"{'; '.join(notes)})")
+    return best
+
+  chosen = {b: choose_num_draft(b) for b in batches}
   speedups, taus, failures = {}, {}, 0
-  header = (f"{'batch':>5} | {'temp':>4} | {'target tok/s':>12} | {'spec tok/s':>10} | {'speedup':>7} | "
-            f"{'tau':>5} | {'gamma':>6} | {'implied':>7} | {'EOS rows':>8} | per-position acceptance")
+  header = (f"{'batch':>5} | {'K':>2} | {'temp':>4} | {'target tok/s':>12} | {'spec tok/s':>10} | {'speedup':>7} | "
+            f"{'tau':>5} | {'gamma':>6} | {'implied':>7} | {'row use':>7} | {'EOS rows':>8} | per-position acceptance")
   print(header)
   print("-" * len(header))
   for b in batches:
+    k = chosen[b]
     times = decode_step_seconds(target, head, batch=b, context=args.prompt_len + args.new_tokens // 2)
     gamma = times["drafter_s"] / times["target_s"]
     for temperature in temperatures:
@@ -114,10 +156,7 @@ def main():
       ref, ref_s = decode_in_chunks(
           lambda c: generate(target, c, args.new_tokens, key, temperature=temperature, **common),
           prompts, b, args.repeats)
-      spec, spec_s = decode_in_chunks(
-          lambda c: speculative_generate(target, drafter, c, args.new_tokens, key, num_draft=k,
-                                         temperature=temperature, **common),
-          prompts, b, args.repeats)
+      spec, spec_s = decode_in_chunks(lambda c: speculative(c, k, temperature), prompts, b, args.repeats)
       ref_tokens = sum(int(o.lengths.sum()) for o in ref)
       spec_tokens = sum(int(o.lengths.sum()) for o in spec)
       forwards = sum(int(o.stats.target_forwards.sum()) for o in spec)
@@ -126,8 +165,10 @@ def main():
       tau = (accepted + forwards) / forwards
       speedup = (spec_tokens / spec_s) / (ref_tokens / ref_s)
       eos_rows = sum(o.finish_reasons.count("eos") for o in spec)
-      print(f"{b:>5} | {temperature:>4g} | {ref_tokens / ref_s:>12.0f} | {spec_tokens / spec_s:>10.0f} | "
-            f"{speedup:>6.2f}x | {tau:>5.2f} | {gamma:>6.3f} | {tau / (1 + k * gamma):>6.2f}x | "
+      # The loop runs until a chunk's slowest row is done: its iterations are the chunk's most forwards.
+      row_use = forwards / sum(len(o.lengths) * int(o.stats.target_forwards.max()) for o in spec)
+      print(f"{b:>5} | {k:>2} | {temperature:>4g} | {ref_tokens / ref_s:>12.0f} | {spec_tokens / spec_s:>10.0f} | "
+            f"{speedup:>6.2f}x | {tau:>5.2f} | {gamma:>6.3f} | {tau / (1 + k * gamma):>6.2f}x | {row_use:>7.2f} | "
             f"{eos_rows:>8} | {np.round(per_position, 3).tolist()}")
       if temperature == 0:
         speedups[b], taus[b] = speedup, tau
