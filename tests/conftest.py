@@ -1,9 +1,13 @@
 """Shared pytest setup: float32 everywhere, no GPU/TPU probing, one XLA compilation cache per test run."""
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
+import filelock
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -18,6 +22,26 @@ def pmap_variant_on_one_device():
   saved, flag.value = flag.value, False
   yield
   flag.value = saved
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="session")
+def tiny_speculative_run(tmp_path_factory):
+  """``(workdir, stdout)`` of ``python -m experiments.train_speculative --config=configs/stdlib_speculative.py:tiny``
+  (tokenizer, target, drafter and report in under a minute), run once per test run: the xdist workers share it
+  through a file lock in their common base directory. Tests read the workdir, never write to it."""
+  root = tmp_path_factory.getbasetemp().parent  # common to every xdist worker of this run
+  workdir, log = root / "tiny_speculative" / "run", root / "tiny_speculative.json"
+  with filelock.FileLock(str(root / "tiny_speculative.lock")):
+    if not log.exists():
+      proc = subprocess.run([sys.executable, "-m", "experiments.train_speculative",
+                             "--config=configs/stdlib_speculative.py:tiny", f"--workdir={workdir}"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=900)
+      assert proc.returncode == 0, proc.stderr[-3000:]
+      log.write_text(json.dumps({"stdout": proc.stdout}))
+  return str(workdir), json.loads(log.read_text())["stdout"]
 
 
 _CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"

@@ -2,16 +2,12 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from lemon_rl.data import stdlib_corpus as sc
 from lemon_rl.text.tokenizers import HFTokenizer
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -96,14 +92,10 @@ def test_pack_documents():
   assert sc.pack_documents([], 4, 2).shape == (0, 4)
 
 
-def test_tiny_command_trains_tokenizer_target_and_drafter(tmp_path):
+def test_tiny_command_trains_tokenizer_target_and_drafter(tiny_speculative_run):
   from lemon_rl.training.drafter_training import load_speculative  # pylint: disable=g-import-not-at-top
-  workdir = str(tmp_path / "run")
-  cmd = [sys.executable, "-m", "experiments.train_speculative", "--config=configs/stdlib_speculative.py:tiny",
-         f"--workdir={workdir}"]
-  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "batch-1 decode step: target" in proc.stdout
+  workdir, stdout = tiny_speculative_run  # the command, run once per test run (conftest.py)
+  assert "batch-1 decode step: target" in stdout
   with open(os.path.join(workdir, "summary.json")) as f:
     summary = json.load(f)
   with open(os.path.join(workdir, "data", "corpus.json")) as f:

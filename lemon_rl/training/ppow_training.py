@@ -50,7 +50,8 @@ One PPOW step (:func:`collect` then ``num_iterations`` times :func:`update`):
 
 Metrics per step: ``tau = 1 + mean k`` under the chosen verification (and ``tau_greedy``,
 ``tau_expected`` always), per-position acceptance, reward parts, ``kl``, the criticality histogram of the
-pool (``crit_frac_*``), ADAW's mean selected vs pool window score, the loss and its parts.
+pool (``crit_frac_*``) and ADAW's mean selected vs pool window score (with ADAW only: without it the pool is
+not scored, step 1 draws from the mask alone), the loss and its parts.
 """
 
 from __future__ import annotations
@@ -356,13 +357,38 @@ def choose_prefixes(head: EagleHead, target: Transformer, pool_tokens: Array, po
   return jax.lax.stop_gradient(Prefixes(index // width, index % width, scores, ok, v, v_valid, probs))
 
 
+def uniform_prefixes(pool_tokens: Array, pool_mask: Array, key: Array, cfg: PPOWConfig) -> tuple[Array, Array]:
+  """Step 1 without ADAW: ``(rows [B], prefix_end [B])`` drawn uniformly over the valid windows.
+
+  The same draw as :func:`choose_prefixes` with ``floor = 1`` (bit for bit: the validity of a window depends
+  on the mask only, and ``adaw_probabilities`` at ``floor = 1`` is the uniform distribution over the valid
+  windows whatever the scores), without scoring the pool: no target forward over the ``R`` rows.
+  """
+  pool_mask = pool_mask.astype(bool)
+  valid = pool_mask & (jnp.arange(pool_mask.shape[1])[None] >= 2)  # sequence_criticality's validity
+  scores, ok = prefix_scores(jnp.zeros(pool_mask.shape, jnp.float32), valid, pool_mask, cfg.num_draft,
+                             cfg.min_prefix)
+  probs = ppow.adaw_probabilities(scores.reshape(-1), ok.reshape(-1), floor=1.0)
+  index = ppow.adaw_sample(key, probs, cfg.num_prefixes)
+  width = pool_tokens.shape[1]
+  return index // width, index % width
+
+
 def _collect(head: EagleHead, target: Transformer, pool_tokens: Array, pool_mask: Array, key: Array,
              cfg: PPOWConfig):
-  """Step 1-4 of the module docstring: ``(batch, metrics)`` (everything under ``stop_gradient``)."""
+  """Step 1-4 of the module docstring: ``(batch, metrics)`` (everything under ``stop_gradient``).
+
+  Without ADAW the pool is not scored (:func:`uniform_prefixes`): the step computes the same batch, and its
+  metrics lack the pool's criticality histogram and ADAW scores.
+  """
   k, g, b = cfg.num_draft, cfg.group_size, cfg.num_prefixes
   key_prefix, key_draft, key_verify = jax.random.split(key, 3)
-  chosen = choose_prefixes(head, target, pool_tokens, pool_mask, key_prefix, cfg)
-  rows, prefix_end = chosen.rows, chosen.prefix_end
+  if cfg.adaw:
+    chosen = choose_prefixes(head, target, pool_tokens, pool_mask, key_prefix, cfg)
+    rows, prefix_end = chosen.rows, chosen.prefix_end
+  else:
+    chosen = None
+    rows, prefix_end = uniform_prefixes(pool_tokens, pool_mask, key_prefix, cfg)
   tokens = pool_tokens[rows]
   # 2. Drafting, the engine's calls; 3. the target's verification pass and greedy window.
   cache, feats = target_prefix(target, tokens, prefix_end, k, head.feature_layers)
@@ -385,10 +411,11 @@ def _collect(head: EagleHead, target: Transformer, pool_tokens: Array, pool_mask
   for name in ("greedy", "expected"):
     other = ppow.accepted_length(drafts, p, q, mask, verification=name)
     metrics[f"tau_{name}"] = ops.weighted_metric(other.length + 1.0, jnp.ones_like(other.length))
-  metrics.update(criticality_histogram(chosen.v, chosen.v_valid))
-  metrics["adaw_pool_score"] = ops.weighted_metric(chosen.scores, chosen.ok)
-  selected = chosen.scores[rows, prefix_end]
-  metrics["adaw_selected_score"] = ops.weighted_metric(selected, jnp.ones_like(selected))
+  if chosen is not None:
+    metrics.update(criticality_histogram(chosen.v, chosen.v_valid))
+    metrics["adaw_pool_score"] = ops.weighted_metric(chosen.scores, chosen.ok)
+    selected = chosen.scores[rows, prefix_end]
+    metrics["adaw_selected_score"] = ops.weighted_metric(selected, jnp.ones_like(selected))
   metrics["prefix_end"] = ops.weighted_metric(prefix_end.astype(jnp.float32), jnp.ones((b,), jnp.float32))
   batch = {"tokens": tokens, "prefix_end": prefix_end, "features": feats, "drafts": drafts, "old_logp": old_logp,
            "target_logits": p, "mask": mask, "advantages": advantages}
