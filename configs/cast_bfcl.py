@@ -38,12 +38,9 @@ Variants (``--config=configs/cast_bfcl.py:<variant>``): ``qwen2.5-0.5b`` (defaul
 
 from ml_collections import config_dict
 
+from configs.grpo_gsm8k import VARIANTS, use_accelerator
+from lemon_rl.eval.bfcl import CATEGORIES  # BFCL's single-turn Python categories.
 from lemon_rl.training import base_config
-
-MODELS = {"qwen2.5-0.5b": "qwen2.5-0.5b-mixed", "qwen2.5-1.5b": "qwen2.5-1.5b-mixed"}
-VARIANTS = ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-0.5b,tpu", "qwen2.5-1.5b,tpu", "tiny")
-CATEGORIES = ("simple", "multiple", "parallel", "parallel_multiple", "irrelevance", "live_simple", "live_multiple",
-              "live_parallel", "live_parallel_multiple", "live_irrelevance")
 
 
 def get_config(variant: str = "qwen2.5-0.5b") -> config_dict.ConfigDict:
@@ -124,11 +121,7 @@ def get_config(variant: str = "qwen2.5-0.5b") -> config_dict.ConfigDict:
     c.checkpoint.every, c.checkpoint.max_to_keep, c.checkpoint.async_save = 2, 1, False
     return c
 
-  c.model.preset = MODELS[model]
-  c.model.axis_rules = "fsdp"
+  use_accelerator(c, model, sharding)
   if sharding == "tpu":
-    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1
     c.sft.microbatch_size, c.rl.microbatch_size = 32, 32
-  else:
-    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 1, 1
   return c

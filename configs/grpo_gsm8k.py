@@ -59,6 +59,14 @@ VARIANTS = ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-0.5b,tpu", "qwen2.5-1.5b,tp
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "fixtures", "math")
 
 
+def use_accelerator(c: config_dict.ConfigDict, model: str, sharding: str) -> None:
+  """The numerics and layout of an accelerator variant ``<model>[,tpu]``: the ``qwen2.5-*-mixed`` preset, the
+  ``fsdp`` rule set, and a 1 x 1 x 1 mesh (one accelerator) or every device on ``fsdp`` (``tpu``)."""
+  c.model.preset = MODELS[model]
+  c.model.axis_rules = "fsdp"
+  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = (1, -1, 1) if sharding == "tpu" else (1, 1, 1)
+
+
 def get_config(variant: str = "qwen2.5-0.5b") -> config_dict.ConfigDict:
   if variant not in VARIANTS:
     raise ValueError(f"unknown variant {variant!r}; expected one of {', '.join(VARIANTS)}")
@@ -111,12 +119,9 @@ def get_config(variant: str = "qwen2.5-0.5b") -> config_dict.ConfigDict:
     c.checkpoint.every, c.checkpoint.max_to_keep, c.checkpoint.async_save = 3, 1, False
     return c
 
-  c.model.preset = MODELS[model]
-  c.model.axis_rules = "fsdp"
+  use_accelerator(c, model, sharding)
   if sharding == "tpu":
-    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1
     c.rl.steps, c.rl.prompts_per_step, c.rl.microbatch_size = 200, 128, 32
   else:
-    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 1, 1
     c.rl.steps, c.rl.prompts_per_step, c.rl.microbatch_size = 400, 64, 8
   return c

@@ -200,24 +200,30 @@ def bfcl_key(example: Mapping[str, Any]) -> str:
 
 def bfcl_splits(cfg) -> dict[str, list[dict[str, Any]]]:
   """Records of every split from BFCL-format files (module docstring): each split's categories interleaved
-  (``c1[0], c2[0], ..., c1[1], ...``), file order within a category, then capped at ``num_<split>``."""
-  data_dir = cfg.get("bfcl_dir", "") or None
-  max_prompt, max_completion = int(cfg.max_prompt_bytes), int(cfg.max_completion_bytes)
+  (``c1[0], c2[0], ..., c1[1], ...``), file order within a category, then capped at ``num_<split>``. The files
+  are read once per distinct setting (:func:`make_split` asks for one split at a time)."""
+  caps = tuple(int(cfg[f"num_{split}"]) for split in SPLITS)
+  splits = _bfcl_splits(cfg.get("bfcl_dir", "") or None, _categories(cfg.get("bfcl_categories", "")), cfg.style,
+                        int(cfg.max_prompt_bytes), int(cfg.max_completion_bytes), caps)
+  return {split: list(rows) for split, rows in zip(SPLITS, splits)}
+
+
+@functools.lru_cache(maxsize=4)
+def _bfcl_splits(data_dir, categories, style, max_prompt, max_completion, caps) -> tuple[tuple[dict, ...], ...]:
   by_category: dict[str, dict[str, list[dict[str, Any]]]] = {split: {} for split in SPLITS}
-  for category in _categories(cfg.get("bfcl_categories", "")):
-    for ex in bfcl_data.load_bfcl(category, style=cfg.style, data_dir=data_dir):
+  for category in categories:
+    for ex in bfcl_data.load_bfcl(category, style=style, data_dir=data_dir):
       if len(ex["prompt"].encode()) > max_prompt or len(ex["demonstration"].encode()) > max_completion:
         continue
       by_category[bucket_of(bfcl_key(ex))].setdefault(category, []).append({
           "id": ex["id"], "category": ex["category"], "difficulty": "easy" if len(ex["gold"]) <= 1 else "hard",
           "num_conversions": int(ex["num_conversions"]), "prompt": ex["prompt"], "completion": ex["demonstration"],
           "gold": _compact_json(ex["gold"]), "functions": _compact_json(ex["functions"]), "query": ex["query"]})
-  out = {}
-  for split, groups in by_category.items():  # Categories interleaved, so that a capped split keeps the mix.
+  out = []
+  for (split, groups), n in zip(by_category.items(), caps):  # Interleaved: a capped split keeps the mix.
     rows = [r for column in itertools.zip_longest(*groups.values()) for r in column if r is not None]
-    n = int(cfg[f"num_{split}"])
-    out[split] = rows[:n] if n >= 0 else rows
-  return out
+    out.append(tuple(rows[:n] if n >= 0 else rows))
+  return tuple(out)
 
 
 def task_tokenizer(cfg):
