@@ -147,17 +147,12 @@ class Setup:
     from flax import nnx  # pylint: disable=g-import-not-at-top
     from ml_collections import config_dict  # pylint: disable=g-import-not-at-top
     from configs import ppow_drafter  # pylint: disable=g-import-not-at-top
-    from lemon_rl.data import stdlib_corpus  # pylint: disable=g-import-not-at-top
+    from lemon_rl.training import ppow_training as pt  # pylint: disable=g-import-not-at-top
     from lemon_rl.training import drafter_training as dt  # pylint: disable=g-import-not-at-top
 
     self.size = size
-    # As experiments/train_ppow.load_init (not imported: that module defines the same absl flags).
-    target, head, meta = dt.load_speculative(os.path.join(init_from, "checkpoints", "speculative"))
-    spec = json.loads(meta["config"]) if "config" in meta else {}
-    self.tokenizer = stdlib_corpus.load_tokenizer(os.path.join(init_from, meta.get("tokenizer", "tokenizer")))
-    distill = np.load(os.path.join(init_from, "data", "distill.npz"))
-    self.tokens, self.mask = np.asarray(distill["tokens"], np.int32), np.asarray(distill["mask"], np.int32)
-    test_rows = np.load(os.path.join(init_from, "data", "test.npy"))
+    target, head, spec, self.tokenizer, tokens, mask, test_rows = pt.load_start(init_from)
+    self.tokens, self.mask = np.asarray(tokens, np.int32), np.asarray(mask, np.int32)
     self.target = target
     self.head_def, start = nnx.split(head)
     self.start = jax.device_get(start)  # Host copy: every run starts from fresh arrays (updates donate).

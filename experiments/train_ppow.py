@@ -35,20 +35,6 @@ def log(message: str) -> None:
   print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def load_init(init_from: str):
-  """``(target, head, spec_config dict, tokenizer, distill tokens, distill mask, test rows)``."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from lemon_rl.data import stdlib_corpus  # pylint: disable=g-import-not-at-top
-  from lemon_rl.training import drafter_training as dt  # pylint: disable=g-import-not-at-top
-
-  target, head, meta = dt.load_speculative(os.path.join(init_from, "checkpoints", "speculative"))
-  spec_config = json.loads(meta["config"]) if "config" in meta else {}
-  tokenizer = stdlib_corpus.load_tokenizer(os.path.join(init_from, meta.get("tokenizer", "tokenizer")))
-  distill = np.load(os.path.join(init_from, "data", "distill.npz"))
-  test_rows = np.load(os.path.join(init_from, "data", "test.npy"))
-  return target, head, spec_config, tokenizer, distill["tokens"], distill["mask"], test_rows
-
-
 def held_out_tau(c, target, head, tokenizer, test_rows, num_draft: int) -> dict:
   """Speculative decoding of held-out prompts (greedy, and at temperature 1 if ``eval.sampled``)."""
   import jax  # pylint: disable=g-import-not-at-top
@@ -83,7 +69,7 @@ def run(c, workdir: str) -> dict:
   os.makedirs(workdir, exist_ok=True)
   t0 = time.time()
   writer = MetricsWriter(workdir, tensorboard=False)
-  target, head, spec_config, tokenizer, tokens, mask, test_rows = load_init(c.init_from)
+  target, head, spec_config, tokenizer, tokens, mask, test_rows = pt.load_start(c.init_from)
   p = c.ppow
   min_prefix = p.min_prefix
   if min_prefix is None:

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import time
 from typing import Any, Callable, Mapping, NamedTuple
@@ -579,6 +580,20 @@ def optimizer_from_config(c: config_dict.ConfigDict) -> optax.GradientTransforma
   counts optimizer updates, ``steps * num_iterations``."""
   return state_lib.make_optimizer(c.learning_rate, c.steps * c.num_iterations, warmup_steps=c.warmup_steps,
                                   weight_decay=c.weight_decay, max_grad_norm=c.max_grad_norm)
+
+
+def load_start(init_from: str):
+  """What a finished ``experiments/train_speculative.py`` workdir gives PPOW: ``(target, head, spec_config dict,
+  tokenizer, distill tokens, distill mask, test rows)`` (``checkpoints/speculative``, its tokenizer,
+  ``data/distill.npz``, ``data/test.npy``)."""
+  from lemon_rl.data import stdlib_corpus  # pylint: disable=g-import-not-at-top
+
+  target, head, meta = dt.load_speculative(os.path.join(init_from, "checkpoints", "speculative"))
+  spec_config = json.loads(meta["config"]) if "config" in meta else {}
+  tokenizer = stdlib_corpus.load_tokenizer(os.path.join(init_from, meta.get("tokenizer", "tokenizer")))
+  distill = np.load(os.path.join(init_from, "data", "distill.npz"))
+  test_rows = np.load(os.path.join(init_from, "data", "test.npy"))
+  return target, head, spec_config, tokenizer, distill["tokens"], distill["mask"], test_rows
 
 
 def checkpoint_directory(workdir: str) -> str:
