@@ -107,6 +107,8 @@ def get_config(variant: str = "cast") -> config_dict.ConfigDict:
   elif variant == "cast_hard_to_easy":
     c.task.cast.curriculum = "hard_to_easy"
   elif variant == "tiny":
+    c.model.overrides = config_dict.ConfigDict({"hidden_size": 32, "num_layers": 1, "num_heads": 2,
+                                                "num_kv_heads": 1, "mlp_dim": 64})  # Few-second compiles.
     c.task.num_sft, c.task.num_train, c.task.num_validation, c.task.num_test = 64, 8, 8, 8
     c.task.cast.num_samples = 2
     c.sft.steps, c.sft.batch_size, c.sft.warmup_steps = 3, 8, 1

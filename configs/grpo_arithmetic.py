@@ -78,6 +78,8 @@ def get_config(variant: str = "cpu") -> config_dict.ConfigDict:
   if variant == "cpu":
     pass
   elif variant == "tiny":
+    c.model.overrides = config_dict.ConfigDict({"hidden_size": 32, "num_layers": 1, "num_heads": 2,
+                                                "num_kv_heads": 1, "mlp_dim": 64})  # Few-second compiles.
     c.task.num_train, c.task.num_sft, c.task.num_validation, c.task.num_test = 512, 2048, 64, 64
     c.sft.steps, c.sft.batch_size, c.sft.eval_every = 6, 32, 0
     c.rl.steps, c.rl.prompts_per_step, c.rl.num_generations = 4, 8, 4

@@ -57,7 +57,7 @@ def term_scale(model, batch) -> float:
 def main():
   assert len(jax.devices()) == 8
   out_path = sys.argv[1]
-  cfg = get_preset("tiny", vocab_size=64, hidden_size=64, mlp_dim=128)
+  cfg = get_preset("tiny", vocab_size=64, hidden_size=64, mlp_dim=128, num_layers=1)  # 1 block: half the compiles
   batch = _train_batch.make_batch(rows=16, vocab=64)
   result = {"lr": LR, "adam_eps": ADAM_EPS, "max_len": MAX_LEN, "n_terms": float(batch["loss_mask"].sum()),
             "term_scale": term_scale(Transformer(cfg, rngs=nnx.Rngs(0)), batch)}

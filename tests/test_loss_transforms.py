@@ -269,7 +269,8 @@ print("RESULT" + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def pmap_results():
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={D}", JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={D}",
+             JAX_PLATFORMS="cpu")
   tests_dir = pathlib.Path(__file__).resolve().parent
   proc = subprocess.run([sys.executable, "-c", _SUBPROCESS, str(tests_dir)], env=env, capture_output=True,
                         text=True, timeout=600, cwd=str(tests_dir.parent))

@@ -33,12 +33,12 @@ def test_config_errors_name_the_field():
     get_preset("qwen9")
 
 
-def test_padding_does_not_change_real_token_logits():
-  model = Transformer(get_preset("tiny", **SMALL), rngs=nnx.Rngs(0))
+def test_padding_does_not_change_real_token_logits(small_model):
+  model = small_model
   ids = jnp.array([[5, 6, 7, 8]])
-  plain = model(ids)
-  left = model(jnp.array([[0, 0, 5, 6, 7, 8]]), jnp.array([[0, 0, 1, 1, 1, 1]]))
-  right = model(jnp.array([[5, 6, 7, 8, 0, 0]]), jnp.array([[1, 1, 1, 1, 0, 0]]))
+  plain = _forward(model, ids)  # Whole forwards jitted (see _forward below).
+  left = _forward(model, jnp.array([[0, 0, 5, 6, 7, 8]]), jnp.array([[0, 0, 1, 1, 1, 1]]))
+  right = _forward(model, jnp.array([[5, 6, 7, 8, 0, 0]]), jnp.array([[1, 1, 1, 1, 0, 0]]))
   np.testing.assert_allclose(left[:, 2:], plain, atol=1e-5)
   np.testing.assert_allclose(right[:, :4], plain, atol=1e-5)
 
@@ -63,9 +63,9 @@ def test_grouped_attention_matches_repeated_kv_reference():
 def test_remat_gives_the_same_gradients():
   ids = jnp.array([[1, 2, 3, 4, 5]])
 
-  def grads(remat):
+  def grads(remat):  # Jitted: one compile instead of op-by-op dispatch of the backward pass.
     model = Transformer(get_preset("tiny", remat=remat, **SMALL), rngs=nnx.Rngs(0))
-    return jax.tree.leaves(nnx.grad(lambda m: jnp.sum(m(ids) ** 2))(model))
+    return jax.tree.leaves(nnx.jit(nnx.grad(lambda m: jnp.sum(m(ids) ** 2)))(model))
 
   for a, b in zip(grads(False), grads(True)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -73,10 +73,10 @@ def test_remat_gives_the_same_gradients():
 
 def test_value_head_and_bfloat16_compute():
   model = Transformer(get_preset("tiny", value_head=True, dtype="bfloat16", **SMALL), rngs=nnx.Rngs(0))
-  hidden = model.hidden_states(jnp.array([[1, 2, 3]]))
+  hidden = nnx.jit(Transformer.hidden_states)(model, jnp.array([[1, 2, 3]]))  # jitted: see _forward below
   assert hidden.dtype == jnp.bfloat16
-  assert model(jnp.array([[1, 2, 3]])).dtype == jnp.float32  # logits always float32
-  assert model.value_from_hidden(hidden).shape == (1, 3)
+  assert _forward(model, jnp.array([[1, 2, 3]])).dtype == jnp.float32  # logits always float32
+  assert nnx.jit(Transformer.value_from_hidden)(model, hidden).shape == (1, 3)
   no_head = Transformer(get_preset("tiny", **SMALL), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="no value head"):
     no_head.value_from_hidden(hidden)
@@ -237,10 +237,12 @@ def test_causal_attention_matches_grouped_attention_with_gradients(t, block_size
   def loss(fn):
     return lambda q, kk, vv: jnp.sum(fn(q, kk, vv) * cotangent)
 
-  ours = lambda q, kk, vv: causal_attention(q, kk, vv, jnp.asarray(mask), block_size=block_size)
-  ref = lambda q, kk, vv: grouped_attention(q, kk, vv, allowed)
+  # Everything jitted: causal_attention unrolls a Python loop over blocks, which op-by-op would dispatch (and
+  # compile) primitive by primitive.
+  ours = jax.jit(lambda q, kk, vv: causal_attention(q, kk, vv, jnp.asarray(mask), block_size=block_size))
+  ref = jax.jit(lambda q, kk, vv: grouped_attention(q, kk, vv, allowed))
   np.testing.assert_allclose(ours(q, keys, values) * has_key, ref(q, keys, values) * has_key, atol=1e-5)
   g_ours = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2)))(q, keys, values)
-  g_ref = jax.grad(loss(ref), argnums=(0, 1, 2))(q, keys, values)
+  g_ref = jax.jit(jax.grad(loss(ref), argnums=(0, 1, 2)))(q, keys, values)
   for a, r in zip(g_ours, g_ref):
     np.testing.assert_allclose(a, r, atol=1e-5, rtol=1e-5)

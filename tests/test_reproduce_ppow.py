@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from experiments import reproduce_ppow
 from experiments.reports import ppow as report
@@ -114,10 +115,13 @@ def test_uniform_prefixes_equal_choose_prefixes_without_adaw(spec_workdir):
   data = np.load(os.path.join(spec_workdir, "data", "distill.npz"))
   tokens, mask = jnp.asarray(data["tokens"][:8]), jnp.asarray(data["mask"][:8])
   cfg = pt.PPOWConfig(num_draft=3, num_prefixes=64, pool_rows=8, adaw=False, min_prefix=15)
+  # Both jitted, as inside the trainer's step (one compile each instead of op-by-op dispatch).
+  choose = nnx.jit(pt.choose_prefixes, static_argnames="cfg")
+  uniform = jax.jit(pt.uniform_prefixes, static_argnames="cfg")
   for seed in range(3):
     key = jax.random.key(seed)
-    slow = pt.choose_prefixes(head, target, tokens, mask, key, cfg)
-    rows, ends = pt.uniform_prefixes(tokens, mask, key, cfg)
+    slow = choose(head, target, tokens, mask, key, cfg)
+    rows, ends = uniform(tokens, mask, key, cfg)
     np.testing.assert_array_equal(rows, slow.rows)
     np.testing.assert_array_equal(ends, slow.prefix_end)
   assert len(np.unique(np.asarray(ends))) > 1

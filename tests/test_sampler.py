@@ -19,6 +19,7 @@ def model():
 
 
 PROMPTS = [[3, 7, 9, 11, 2], [5], [8, 8, 8, 1, 2, 3, 4, 5, 6, 7, 9]]
+NEW = 8  # max_new_tokens of every PROMPTS call: one compiled decode loop per sampling mode for the file.
 
 
 def _right_padded(seqs, width=None):
@@ -43,9 +44,9 @@ def _teacher_forced(model, prompts, out, temperature=1.0, top_k=0, top_p=1.0):
 
 
 def test_log_probs_equal_teacher_forced_forward(model):
-  out = generate(model, PROMPTS, max_new_tokens=12, rng=jax.random.key(3), temperature=1.0)
+  out = generate(model, PROMPTS, max_new_tokens=NEW, rng=jax.random.key(3), temperature=1.0)
   np.testing.assert_allclose(out.log_probs, _teacher_forced(model, PROMPTS, out), atol=1e-5)
-  assert out.mask.sum() == out.lengths.sum() == 3 * 12
+  assert out.mask.sum() == out.lengths.sum() == 3 * NEW
 
 
 # The sampler's logits come from the cached decode path, the learner's from a full forward; the two differ
@@ -57,15 +58,15 @@ def test_log_probs_equal_teacher_forced_forward(model):
                                                       (0.0, 0, 1.0)])
 def test_sampling_log_probs_of_a_full_forward_equal_generate_log_probs(model, temperature, top_k, top_p):
   kwargs = dict(temperature=temperature, top_k=top_k, top_p=top_p)
-  out = generate(model, PROMPTS, max_new_tokens=8, rng=jax.random.key(4), **kwargs)
+  out = generate(model, PROMPTS, max_new_tokens=NEW, rng=jax.random.key(4), **kwargs)
   np.testing.assert_allclose(out.log_probs, _teacher_forced(model, PROMPTS, out, **kwargs), atol=1e-5)
 
 
 def test_greedy_equals_argmax_of_the_full_forward(model):
-  out = generate(model, PROMPTS, max_new_tokens=6, rng=jax.random.key(0), temperature=0.0)
+  out = generate(model, PROMPTS, max_new_tokens=NEW, rng=jax.random.key(0), temperature=0.0)
   forward = nnx.jit(type(model).__call__)  # one compile: every step has the same padded shape
   seqs = [list(p) for p in PROMPTS]
-  for _ in range(6):
+  for _ in range(NEW):
     ids, mask = _right_padded(seqs, width=24)
     logits = forward(model, jnp.asarray(ids), jnp.asarray(mask))
     for i, seq in enumerate(seqs):
@@ -98,9 +99,9 @@ def test_sampling_distribution_pieces():
 
 
 def test_same_rng_same_output_and_different_rng_differs(model):
-  a = generate(model, PROMPTS, 10, jax.random.key(0))
-  b = generate(model, PROMPTS, 10, jax.random.key(0))
-  c = generate(model, PROMPTS, 10, jax.random.key(1))
+  a = generate(model, PROMPTS, NEW, jax.random.key(0))
+  b = generate(model, PROMPTS, NEW, jax.random.key(0))
+  c = generate(model, PROMPTS, NEW, jax.random.key(1))
   np.testing.assert_array_equal(a.tokens, b.tokens)
   np.testing.assert_array_equal(a.log_probs, b.log_probs)
   assert not np.array_equal(a.tokens, c.tokens)
@@ -108,11 +109,11 @@ def test_same_rng_same_output_and_different_rng_differs(model):
 
 def test_eos_stops_rows_and_masks_padding(model):
   # Pick as EOS the greedy first token of row 0 so that it stops at once.
-  greedy = generate(model, PROMPTS, 6, jax.random.key(0), temperature=0.0)
+  greedy = generate(model, PROMPTS, NEW, jax.random.key(0), temperature=0.0)
   eos = int(greedy.tokens[0, 0])
-  out = generate(model, PROMPTS, 6, jax.random.key(0), temperature=0.0, eos_ids=eos, pad_id=63)
+  out = generate(model, PROMPTS, NEW, jax.random.key(0), temperature=0.0, eos_ids=eos, pad_id=63)
   assert out.finish_reasons[0] == "eos" and out.lengths[0] == 1
-  assert out.mask[0].tolist() == [1, 0, 0, 0, 0, 0]  # EOS included, padding excluded
+  assert out.mask[0].tolist() == [1] + [0] * (NEW - 1)  # EOS included, padding excluded
   assert (out.tokens[0, 1:] == 63).all() and (out.log_probs[0, 1:] == 0).all()
   for i in range(len(PROMPTS)):
     n = out.lengths[i]
@@ -121,20 +122,20 @@ def test_eos_stops_rows_and_masks_padding(model):
 
 
 def test_a_row_stops_on_any_of_several_eos_ids(model):
-  free = generate(model, PROMPTS, 8, jax.random.key(5), temperature=1.0)
+  free = generate(model, PROMPTS, NEW, jax.random.key(5), temperature=1.0)
   eos = [int(free.tokens[0, 2]), int(free.tokens[2, 3])]
-  out = generate(model, PROMPTS, 8, jax.random.key(5), temperature=1.0, eos_ids=eos, pad_id=63)
+  out = generate(model, PROMPTS, NEW, jax.random.key(5), temperature=1.0, eos_ids=eos, pad_id=63)
   stopped_on = set()
   for i in range(len(PROMPTS)):
     hits = np.isin(free.tokens[i], eos)
-    n = int(hits.argmax()) + 1 if hits.any() else 8
+    n = int(hits.argmax()) + 1 if hits.any() else NEW
     assert out.lengths[i] == n and out.finish_reasons[i] == ("eos" if hits.any() else "length")
     np.testing.assert_array_equal(out.tokens[i, :n], free.tokens[i, :n])  # same key: same draws until EOS
     assert (out.tokens[i, n:] == 63).all()
     if hits.any():
       stopped_on.add(int(out.tokens[i, n - 1]))
   assert stopped_on == set(eos)  # one row stopped on each id
-  single = generate(model, PROMPTS, 8, jax.random.key(5), temperature=1.0, eos_ids=eos[0])
+  single = generate(model, PROMPTS, NEW, jax.random.key(5), temperature=1.0, eos_ids=eos[0])
   assert single.finish_reasons[0] == "eos" and single.lengths[0] == out.lengths[0]
 
 

@@ -1,5 +1,6 @@
 """The jitted update: exact micro-batch accumulation, 8-device equivalence, rewards robustness, SFT."""
 
+import functools
 import logging
 import math
 import os
@@ -26,7 +27,9 @@ import _train_batch  # noqa: E402  pylint: disable=g-import-not-at-top
 import _train_sharding_check  # noqa: E402  pylint: disable=g-import-not-at-top
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
-CFG = get_preset("tiny", vocab_size=64, hidden_size=64, mlp_dim=128)
+# One block: the properties tested here (micro-batch and device splits of the batch sums) do not depend on
+# depth, and a second block doubles every compile.
+CFG = get_preset("tiny", vocab_size=64, hidden_size=64, mlp_dim=128, num_layers=1)
 EPS = float(np.finfo(np.float32).eps)  # 1.19e-7
 # The longest float32 contraction inside one token's forward / backward (the MLP width; d = vocab = 64): a
 # gradient entry sums the batch's token terms, each a product of such contractions.
@@ -43,26 +46,42 @@ def _max_abs(leaves):
   return max(float(np.abs(x).max()) for x in leaves)
 
 
+# One jitted accumulator for the whole file: tests that use the same batch shape (8 rows) and loss settings
+# share its compiled programs instead of each compiling its own.
+_ACCUMULATE = jax.jit(state_lib.accumulate_gradients, static_argnums=(0, 3, 4))
+ROWS = 8
+MAX_LEN = 8  # The completion length of ``_train_batch``: the constant of seq_mean_token_sum_norm.
+
+
+@functools.cache
+def _graphdef_and_params():
+  """The model's ``(graphdef, params)``, initialised once (eager initialisation takes seconds on CPU)."""
+  return nnx.split(Transformer(CFG, rngs=nnx.Rngs(0)), nnx.Param)
+
+
+def _model():
+  """A fresh ``Transformer(CFG, rngs=nnx.Rngs(0))`` (its parameters: immutable arrays shared by all)."""
+  return nnx.merge(*_graphdef_and_params())
+
+
 def _loss_and_grad(loss_fn, batch, num_microbatches):
-  model = Transformer(CFG, rngs=nnx.Rngs(0))
-  graphdef, params = nnx.split(model, nnx.Param)
-  loss, _, grad_sum = jax.jit(state_lib.accumulate_gradients, static_argnums=(0, 3, 4))(
-      graphdef, params, batch, loss_fn, num_microbatches)
+  graphdef, params = _graphdef_and_params()
+  loss, _, grad_sum = _ACCUMULATE(graphdef, params, batch, loss_fn, num_microbatches)
   grads = jax.tree.map(lambda g: g / loss.denominator, grad_sum)
   return float(loss.value), jax.tree.leaves(grads)
 
 
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_four_microbatches_equal_the_whole_batch(aggregation):
-  batch = {k: jnp.asarray(v) for k, v in _train_batch.make_batch(rows=8, vocab=64).items()}
-  loss_fn = PolicyLoss(aggregation=aggregation, max_len=8, kl_coef=0.0)
+  batch = {k: jnp.asarray(v) for k, v in _train_batch.make_batch(rows=ROWS, vocab=64).items()}
+  loss_fn = PolicyLoss(aggregation=aggregation, max_len=MAX_LEN, kl_coef=0.0)
   whole = _loss_and_grad(loss_fn, batch, 1)
   split = _loss_and_grad(loss_fn, batch, 4)
   # The loss sums n token terms of size <= term_scale (x max_len per sequence for seq_mean_token_sum); the
   # gradient entries sum n terms each made of contractions over <= CONTRACTION features.
   n = float(batch["loss_mask"].sum())
-  per_term = _train_sharding_check.term_scale(Transformer(CFG, rngs=nnx.Rngs(0)), batch)
-  per_term *= 8 if aggregation == "seq_mean_token_sum" else 1
+  per_term = _train_sharding_check.term_scale(_model(), batch)
+  per_term *= MAX_LEN if aggregation == "seq_mean_token_sum" else 1
   assert abs(whole[0] - split[0]) <= _reduction_atol(n, per_term)
   atol = _reduction_atol(n + CONTRACTION, _max_abs(whole[1]))
   for a, b in zip(whole[1], split[1]):
@@ -70,14 +89,18 @@ def test_four_microbatches_equal_the_whole_batch(aggregation):
 
 
 def test_gradient_equals_autodiff_of_the_mean_loss():
-  """grad_sum / denominator is the gradient of the reduced loss itself."""
-  batch = {k: jnp.asarray(v) for k, v in _train_batch.make_batch(rows=4, vocab=64).items()}
-  loss_fn = PolicyLoss(aggregation="seq_mean_token_mean")
-  model = Transformer(CFG, rngs=nnx.Rngs(0))
-  graphdef, params = nnx.split(model, nnx.Param)
-  direct = jax.grad(lambda p: loss_fn(nnx.merge(graphdef, p), batch)[0].value)(params)
-  _, ours = _loss_and_grad(loss_fn, batch, 2)
-  # Same terms, summed whole vs in 2 micro-batches: the float32 reduction bound of the gradient entries.
+  """grad_sum / denominator is the gradient of the reduced loss itself.
+
+  The batch and loss settings are those of ``test_four_microbatches_equal_the_whole_batch``, so the
+  micro-batched program is the one that test compiled; the direct gradient is jitted (eager autodiff of the
+  model dispatches each op separately and took most of this test's time).
+  """
+  batch = {k: jnp.asarray(v) for k, v in _train_batch.make_batch(rows=ROWS, vocab=64).items()}
+  loss_fn = PolicyLoss(aggregation="seq_mean_token_mean", max_len=MAX_LEN)
+  graphdef, params = _graphdef_and_params()
+  direct = jax.jit(jax.grad(lambda p: loss_fn(nnx.merge(graphdef, p), batch)[0].value))(params)
+  _, ours = _loss_and_grad(loss_fn, batch, 4)
+  # Same terms, summed whole vs in 4 micro-batches: the float32 reduction bound of the gradient entries.
   atol = _reduction_atol(float(batch["loss_mask"].sum()) + CONTRACTION, _max_abs(jax.tree.leaves(direct)))
   for a, b in zip(jax.tree.leaves(direct), ours):
     np.testing.assert_allclose(a, b, rtol=0, atol=atol)
@@ -128,8 +151,10 @@ def test_sft_loss_is_the_mean_nll_of_completion_tokens():
   examples = [{"prompt": "12+3=", "completion": "0015"}, {"prompt": "7*10=", "completion": "0070"}]
   batch = sft_batch(tok, examples, max_completion_len=6)
   assert batch["loss_mask"].sum() == 2 * 5  # 4 digits + EOS each
-  loss, _ = SFTLoss()(model, {k: jnp.asarray(v) for k, v in batch.items()})
-  logits = np.asarray(model(jnp.asarray(batch["ids"]), jnp.asarray(batch["attention_mask"])))
+  # Jitted (one compile each) rather than dispatched op by op.
+  loss, _ = nnx.jit(lambda m, b: SFTLoss()(m, b))(model, {k: jnp.asarray(v) for k, v in batch.items()})
+  logits = np.asarray(nnx.jit(Transformer.__call__)(model, jnp.asarray(batch["ids"]),
+                                                    jnp.asarray(batch["attention_mask"])))
   logp = jax.nn.log_softmax(logits[:, :-1], -1)
   nll = [-logp[i, t, batch["ids"][i, t + 1]] for i in range(2) for t in range(logp.shape[1])
          if batch["loss_mask"][i, t]]
@@ -159,13 +184,12 @@ def test_all_equal_group_fraction():
 
 def test_on_policy_update_without_old_log_probs_matches_with_them():
   """Skipping the old-log-prob forward (one pass, one minibatch) leaves the loss gradient unchanged."""
-  batch = _train_batch.make_batch(rows=4, vocab=64)
-  model = Transformer(CFG, rngs=nnx.Rngs(0))
-  graphdef, params = nnx.split(model, nnx.Param)
+  batch = _train_batch.make_batch(rows=ROWS, vocab=64)
+  graphdef, params = _graphdef_and_params()
   with_old = dict(batch, old_logp=np.asarray(rollout_lib.sequence_token_log_probs(
       graphdef, params, jnp.asarray(batch["ids"]), jnp.asarray(batch["attention_mask"]))) * batch["loss_mask"])
   without = {k: v for k, v in batch.items() if k != "old_logp"}
-  loss_fn = PolicyLoss()
+  loss_fn = PolicyLoss(max_len=MAX_LEN)  # token_mean (the default): max_len is unused, shares a compile.
   a = _loss_and_grad(loss_fn, {k: jnp.asarray(v) for k, v in with_old.items()}, 1)
   b = _loss_and_grad(loss_fn, {k: jnp.asarray(v) for k, v in without.items()}, 1)
   # old_logp comes from a separately compiled forward: each log-prob may differ by the rounding of its
