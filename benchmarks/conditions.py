@@ -21,7 +21,11 @@ with ``busy = user + nice + system + irq + softirq + steal`` summed over the aff
 ``/proc/stat`` (``steal``: time the hypervisor gave to other guests), and this process's own CPU time from
 ``os.times()`` (all threads, plus waited-for children). ``t0`` is the import of this module, so the window
 covers start-up and compilation too. A run is flagged ``WARNING: taken under load`` when ``others_cpus``
-exceeds :data:`LOAD_THRESHOLD` CPUs, or when the load average at import did: the latter also trips in the
+exceeds :data:`LOAD_THRESHOLD` CPUs, or when the load average at import did. The footer also names the part of
+``others_cpus`` that was hypervisor steal (``steal_cpus``, the same difference of ``steal`` ticks over the wall
+time): on a virtual machine it is the usual reason for a "slow day" (on 2026-12-01 this 2-vCPU guest lost 26-34%
+of its CPU time to steal while one training job ran, and its matmul peak read 139 GFLOP/s against 150-300 on
+other days), and no process inside the guest can be stopped to remove it: the latter also trips in the
 minute after another heavy job (e.g. the previous run of a benchmark) ended, since the load average decays
 with a 1-minute time constant; wait for it to settle for a clean header.
 """
@@ -36,7 +40,7 @@ import re
 import resource
 import sys
 import time
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, NamedTuple
 
 ISA_FLAGS = ("avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile")
 ISA_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
@@ -55,8 +59,15 @@ def parse_cpuinfo(text: str) -> tuple[str, frozenset[str]]:
           frozenset(flags.group(1).split()) if flags else frozenset())
 
 
-def parse_proc_stat(text: str) -> dict[int, tuple[int, int]]:
-  """``{cpu: (busy ticks, total ticks)}`` from the per-CPU ``cpuN`` lines of a ``/proc/stat`` text.
+class CpuTicks(NamedTuple):
+  """One CPU's ``/proc/stat`` counters (ticks since boot)."""
+  busy: int  # user + nice + system + irq + softirq + steal
+  total: int  # the first eight fields
+  steal: int  # time the hypervisor ran other guests while this CPU wanted to run
+
+
+def parse_proc_stat(text: str) -> dict[int, CpuTicks]:
+  """``{cpu: CpuTicks}`` from the per-CPU ``cpuN`` lines of a ``/proc/stat`` text.
 
   Fields: user nice system idle iowait irq softirq steal [guest guest_nice]; ``busy`` excludes idle and
   iowait, ``total`` is the sum of the first eight (guest time is already counted in user).
@@ -67,13 +78,18 @@ def parse_proc_stat(text: str) -> dict[int, tuple[int, int]]:
     if m:
       f = [int(x) for x in m.group(2).split()][:8] + [0] * 8
       user, nice, system, idle, iowait, irq, softirq, steal = f[:8]
-      out[int(m.group(1))] = (user + nice + system + irq + softirq + steal, sum(f[:8]))
+      out[int(m.group(1))] = CpuTicks(user + nice + system + irq + softirq + steal, sum(f[:8]), steal)
   return out
 
 
-def busy_seconds(stat: Mapping[int, tuple[int, int]], cpus: Iterable[int], ticks_per_s: float) -> float:
+def busy_seconds(stat: Mapping[int, CpuTicks], cpus: Iterable[int], ticks_per_s: float) -> float:
   """Busy seconds summed over ``cpus`` (those missing from ``stat``, e.g. offline, count 0)."""
-  return sum(stat[c][0] for c in cpus if c in stat) / ticks_per_s
+  return sum(stat[c].busy for c in cpus if c in stat) / ticks_per_s
+
+
+def steal_seconds(stat: Mapping[int, CpuTicks], cpus: Iterable[int], ticks_per_s: float) -> float:
+  """Hypervisor steal seconds summed over ``cpus`` (part of :func:`busy_seconds`)."""
+  return sum(stat[c].steal for c in cpus if c in stat) / ticks_per_s
 
 
 def others_cpus(busy_s: float, own_cpu_s: float, wall_s: float) -> float:
@@ -112,7 +128,7 @@ class Snapshot:
   """Wall clock, 1-minute load average, per-CPU ``/proc/stat`` ticks and own CPU time at one instant."""
   wall: float
   load: float
-  stat: dict[int, tuple[int, int]]
+  stat: dict[int, CpuTicks]
   own_cpu: float
 
   @classmethod
@@ -204,6 +220,13 @@ class Conditions:
             - busy_seconds(self.baseline.stat, self.cpus, self.ticks_per_s))
     return others_cpus(busy, now.own_cpu - self.baseline.own_cpu, now.wall - self.baseline.wall)
 
+  def steal_cpus(self, now: Snapshot | None = None) -> float:
+    """Average CPUs the hypervisor took from this process's CPUs since the import (within :meth:`others_cpus`)."""
+    now = now or Snapshot.take()
+    steal = (steal_seconds(now.stat, self.cpus, self.ticks_per_s)
+             - steal_seconds(self.baseline.stat, self.cpus, self.ticks_per_s))
+    return max(steal, 0.0) / max(now.wall - self.baseline.wall, 1e-9)
+
   def finish(self, now: Snapshot | None = None) -> bool:
     """Prints the end load average, other processes' CPU share and any warning; returns "under load".
 
@@ -216,7 +239,7 @@ class Conditions:
     else:
       print(f"load average at end {now.load:.2f}; other processes used {others:.2f} of this run's "
             f"{len(self.cpus)} CPUs on average ({others / len(self.cpus):.0%}) over "
-            f"{now.wall - self.baseline.wall:.0f} s")
+            f"{now.wall - self.baseline.wall:.0f} s, of which hypervisor steal {self.steal_cpus(now):.2f}")
     reasons = []
     if self.baseline.load > self.threshold:
       reasons.append(f"load average {self.baseline.load:.2f} at start")

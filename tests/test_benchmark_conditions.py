@@ -35,8 +35,9 @@ def test_proc_stat_busy_excludes_idle_and_iowait_and_counts_guest_once():
   stat = conditions.parse_proc_stat(STAT)
   assert set(stat) == {0, 1}  # The aggregate "cpu" line and the other lines are skipped.
   # cpu0: user 500 + system 100 + irq 10 + softirq 5 + steal 7 (guest 50 is inside user already).
-  assert stat[0] == (622, 2662)
-  assert stat[1] == (600, 3660)
+  assert stat[0] == (622, 2662, 7)
+  assert stat[1] == (600, 3660, 0)
+  assert conditions.steal_seconds(stat, [0, 1], ticks_per_s=100) == 0.07
   assert conditions.busy_seconds(stat, [0], ticks_per_s=100) == 6.22
   assert conditions.busy_seconds(stat, [0, 1, 7], ticks_per_s=100) == 12.22  # An absent CPU counts 0.
 
@@ -48,24 +49,30 @@ def test_isa_restrictions_from_the_environment():
   assert not conditions.isa_restrictions({"XLA_FLAGS": "--xla_dump_to=/tmp/x"})
 
 
-def _conditions(load, busy_ticks, own_cpu_s, wall_s):
-  """Conditions over CPUs 0 and 1 (100 ticks/s) whose window saw ``busy_ticks`` per CPU and ``own_cpu_s``."""
+def _conditions(load, busy_ticks, own_cpu_s, wall_s, steal_ticks=(0, 0)):
+  """Conditions over CPUs 0 and 1 (100 ticks/s) whose window saw ``busy_ticks`` per CPU (``steal_ticks`` of
+  them hypervisor steal) and ``own_cpu_s``."""
+  tick = conditions.CpuTicks
   cond = conditions.Conditions("test", peak=None, threshold=0.25)
   cond.cpus, cond.ticks_per_s = [0, 1], 100.0
-  cond.baseline = conditions.Snapshot(wall=10.0, load=load, stat={0: (1000, 5000), 1: (2000, 5000)}, own_cpu=3.0)
+  cond.baseline = conditions.Snapshot(wall=10.0, load=load, stat={0: tick(1000, 5000, 10), 1: tick(2000, 5000, 20)},
+                                      own_cpu=3.0)
   now = conditions.Snapshot(wall=10.0 + wall_s, load=load,
-                            stat={0: (1000 + busy_ticks[0], 9000), 1: (2000 + busy_ticks[1], 9000)},
+                            stat={0: tick(1000 + busy_ticks[0], 9000, 10 + steal_ticks[0]),
+                                  1: tick(2000 + busy_ticks[1], 9000, 20 + steal_ticks[1])},
                             own_cpu=3.0 + own_cpu_s)
   return cond, now
 
 
 def test_other_processes_share_subtracts_own_cpu_time(capsys):
   # 4 s of wall on 2 CPUs; the CPUs were busy 3 + 2 = 5 s, 2 of them ours: others used 3 s / 4 s = 0.75 CPU.
-  cond, now = _conditions(load=0.1, busy_ticks=(300, 200), own_cpu_s=2.0, wall_s=4.0)
+  # 1.2 s of the CPUs' busy time was hypervisor steal: 0.3 of the 0.75 CPU.
+  cond, now = _conditions(load=0.1, busy_ticks=(300, 200), own_cpu_s=2.0, wall_s=4.0, steal_ticks=(70, 50))
   assert cond.others_cpus(now) == 0.75
+  assert cond.steal_cpus(now) == 0.3
   assert cond.finish(now)
   out = capsys.readouterr().out
-  assert "other processes used 0.75 of this run's 2 CPUs" in out
+  assert "other processes used 0.75 of this run's 2 CPUs" in out and "of which hypervisor steal 0.30" in out
   assert "WARNING: taken under load (other processes used 0.75 CPUs" in out
 
 
