@@ -235,9 +235,12 @@ def load_speculative(directory: str, step: int | None = None) -> tuple[Transform
     meta = ckpt.read_metadata(step)
     cfg = model_config_from_dict(meta["target_config"])
     spec = meta["drafter_spec"]
-    target = Transformer(cfg, rngs=nnx.Rngs(0))
-    head = EagleHead(cfg, spec["feature_layers"], rngs=nnx.Rngs(0), num_heads=spec["num_heads"],
-                     num_kv_heads=spec["num_kv_heads"], mlp_dim=spec["mlp_dim"])
+    # Abstract modules (shapes only): every parameter is restored, so drawing initial values would be wasted
+    # work (eager initialisation compiles each op: seconds per model).
+    target = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    head = nnx.eval_shape(lambda: EagleHead(cfg, spec["feature_layers"], rngs=nnx.Rngs(0),
+                                            num_heads=spec["num_heads"], num_kv_heads=spec["num_kv_heads"],
+                                            mlp_dim=spec["mlp_dim"]))
     abstract = {"target": nnx.state(target, nnx.Param), "drafter": nnx.state(head, nnx.Param)}
     state, meta = ckpt.restore(abstract, step)
   nnx.update(target, state["target"])
