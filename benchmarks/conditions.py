@@ -221,7 +221,8 @@ class Conditions:
     return others_cpus(busy, now.own_cpu - self.baseline.own_cpu, now.wall - self.baseline.wall)
 
   def steal_cpus(self, now: Snapshot | None = None) -> float:
-    """Average CPUs the hypervisor took from this process's CPUs since the import (within :meth:`others_cpus`)."""
+    """Average CPUs the hypervisor took from this process's CPUs since the import (counted in
+    :meth:`others_cpus`, up to how the kernel splits steal from process time)."""
     now = now or Snapshot.take()
     steal = (steal_seconds(now.stat, self.cpus, self.ticks_per_s)
              - steal_seconds(self.baseline.stat, self.cpus, self.ticks_per_s))
@@ -239,7 +240,7 @@ class Conditions:
     else:
       print(f"load average at end {now.load:.2f}; other processes used {others:.2f} of this run's "
             f"{len(self.cpus)} CPUs on average ({others / len(self.cpus):.0%}) over "
-            f"{now.wall - self.baseline.wall:.0f} s, of which hypervisor steal {self.steal_cpus(now):.2f}")
+            f"{now.wall - self.baseline.wall:.0f} s; hypervisor steal {self.steal_cpus(now):.2f} CPUs")
     reasons = []
     if self.baseline.load > self.threshold:
       reasons.append(f"load average {self.baseline.load:.2f} at start")

@@ -1,4 +1,4 @@
-"""Speculative decoding vs the target alone, on held-out stdlib prompts, with the trained target and drafter.
+r"""Speculative decoding vs the target alone, on held-out stdlib prompts, with the trained target and drafter.
 
 Loads what ``python -m experiments.train_speculative --config=configs/stdlib_speculative.py --workdir=DIR``
 wrote (``DIR/checkpoints/speculative``: the target and its EAGLE-3 drafter; ``DIR/tokenizer``; the held-out
@@ -21,7 +21,8 @@ implies, ``tau / (1 + K gamma)`` (a ``K+1``-token verification costed as one dec
 a chunk's loop runs until its slowest row is done, so rows that accept more sit idle; row use = the rows'
 verification passes / (rows x the chunk's loop iterations), 1 for a single row.
 
-    python benchmarks/speculative.py --workdir runs/speculative [--num-prompts 100] [--batches 1,8] [--num-draft 1,2,3,4]
+    python benchmarks/speculative.py --workdir runs/speculative [--num-prompts 100] [--batches 1,8] \
+        [--num-draft 1,2,3,4]
 
 Last line: ``speculative_speedup_b1=<x> speculative_speedup_b8=<x> tau=<x>`` (greedy; ``tau`` at batch 1).
 """
@@ -56,7 +57,7 @@ def held_out_rows(num_rows: int, num_prompts: int, num_validation: int) -> tuple
   rest = np.setdiff1d(np.arange(num_rows), measured)
   if len(measured) < num_prompts or len(rest) < num_validation:
     raise ValueError(f"{num_rows} held-out rows cannot give {num_prompts} + {num_validation} distinct prompts")
-  return measured, rest[np.linspace(0, len(rest) - 1, num_validation).astype(int)] if num_validation else rest[:0]
+  return measured, rest[np.linspace(0, len(rest) - 1, num_validation).astype(int)]
 
 
 def held_out_prompts(test_rows: np.ndarray, rows: np.ndarray, prompt_len: int, seed: int = 0) -> list[list[int]]:
@@ -121,9 +122,10 @@ def main():
         f"{args.new_tokens} new, EOS id {tokenizer.eos_id}, K in {candidates}, best of {args.repeats} per chunk")
 
   common = dict(eos_ids=tokenizer.eos_id, pad_id=tokenizer.pad_id, min_prompt_bucket=args.prompt_len)
+  key = jax.random.key(0)  # Every call, target alone and speculative: the same draws.
 
   def speculative(chunk, k, temperature):
-    return speculative_generate(target, drafter, chunk, args.new_tokens, jax.random.key(0), num_draft=k,
+    return speculative_generate(target, drafter, chunk, args.new_tokens, key, num_draft=k,
                                 temperature=temperature, **common)
 
   def choose_num_draft(b: int) -> int:
@@ -152,7 +154,6 @@ def main():
     times = decode_step_seconds(target, head, batch=b, context=args.prompt_len + args.new_tokens // 2)
     gamma = times["drafter_s"] / times["target_s"]
     for temperature in temperatures:
-      key = jax.random.key(0)
       ref, ref_s = decode_in_chunks(
           lambda c: generate(target, c, args.new_tokens, key, temperature=temperature, **common),
           prompts, b, args.repeats)

@@ -76,10 +76,11 @@ def get_config(variant: str = "full") -> config_dict.ConfigDict:
   # Step-0 headroom gate of experiments/reproduce_ppow.py (lemon_rl.eval.headroom), fixed before the run:
   # windows of the start drafter must leave something to gain (held-out validation tau below K + 1 and a
   # first-position acceptance below 1) and the group-relative advantage must have signal (the share of
-  # prefixes whose G_roll windows differ in reward, from one step-0 batch of the full arm).
+  # prefixes whose G_roll windows differ in reward, from one step-0 batch of the full arm). The tau bound
+  # follows num_draft (a reference), also where a variant changes it.
   c.headroom = config_dict.ConfigDict()
   c.headroom.thresholds = config_dict.ConfigDict({
-      "min_signal_group_share": 0.25, "max_start_tau_greedy": c.ppow.num_draft + 0.5,
+      "min_signal_group_share": 0.25, "max_start_tau_greedy": c.ppow.get_ref("num_draft") + 0.5,
       "max_start_accept_first_greedy": 0.95})
   c.headroom.reward_atol = 1e-6
 
@@ -88,6 +89,5 @@ def get_config(variant: str = "full") -> config_dict.ConfigDict:
                   learning_rate=1e-3, checkpoint_every=2)
     c.eval.update(num_prompts=8, prompt_len=16, max_new_tokens=16, sampled=False, timing_context=16,
                   timing_steps=8)
-    c.headroom.thresholds.max_start_tau_greedy = c.ppow.num_draft + 0.5
     c.headroom.thresholds.min_signal_group_share = 0.0  # A random tiny drafter: the gate only runs.
   return c

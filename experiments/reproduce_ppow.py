@@ -175,6 +175,8 @@ class Setup:
                     "test": np.asarray(test_rows[test_rows_, :e.prompt_len])}
     self.disjointness = check_disjoint(self.prompts, self.tokens, self.mask)
     self._optimizers = {}
+    self._param_def = nnx.split(self.head(), nnx.Param)[0]  # For token distillation's jitted update.
+    self._target_def, self._target_params = nnx.split(self.target)
 
   def variant(self, arm: str) -> str:
     """The ``configs/ppow_drafter.py`` variant of a PPOW arm at this size."""
@@ -246,11 +248,7 @@ class Setup:
     return jax.tree.map(lambda x: jax.device_put(x, x.sharding), state)
 
   def distill_step(self, state, lr: float, steps: int, seed: int, step: int):
-    from flax import nnx  # pylint: disable=g-import-not-at-top
     from lemon_rl.training import drafter_training as dt  # pylint: disable=g-import-not-at-top
-    if not hasattr(self, "_param_def"):
-      self._param_def = nnx.split(self.head(), nnx.Param)[0]
-      self._target_def, self._target_params = nnx.split(self.target)
     return dt.update_step(self._param_def, state, self._target_def, self._target_params,
                           self.distill_batch(seed, step), loss=self.distill_loss,
                           optimizer=self.optimizer(lr, steps))

@@ -72,7 +72,7 @@ def test_other_processes_share_subtracts_own_cpu_time(capsys):
   assert cond.steal_cpus(now) == 0.3
   assert cond.finish(now)
   out = capsys.readouterr().out
-  assert "other processes used 0.75 of this run's 2 CPUs" in out and "of which hypervisor steal 0.30" in out
+  assert "other processes used 0.75 of this run's 2 CPUs" in out and "; hypervisor steal 0.30 CPUs" in out
   assert "WARNING: taken under load (other processes used 0.75 CPUs" in out
 
 

@@ -205,7 +205,7 @@ def bfcl_splits(cfg) -> dict[str, list[dict[str, Any]]]:
   caps = tuple(int(cfg[f"num_{split}"]) for split in SPLITS)
   splits = _bfcl_splits(cfg.get("bfcl_dir", "") or None, _categories(cfg.get("bfcl_categories", "")), cfg.style,
                         int(cfg.max_prompt_bytes), int(cfg.max_completion_bytes), caps)
-  return {split: list(rows) for split, rows in zip(SPLITS, splits)}
+  return {split: [dict(r) for r in rows] for split, rows in zip(SPLITS, splits)}  # Copies: the cache stays intact.
 
 
 @functools.lru_cache(maxsize=4)
