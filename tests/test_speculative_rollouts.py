@@ -92,6 +92,11 @@ def test_cost_model_switches_on_when_faster_and_off_when_slower():
   assert sr.should_speculate(1.61, costs) and not sr.should_speculate(1.59, costs)
   # The margin: speculate only above min_speedup.
   assert not sr.should_speculate(tau, costs, min_speedup=2.0)
+  # The refit must be paid for: 100 decode steps of 10 ms save 1 s x (1 - 1 / 1.875) = 0.4667 s.
+  saving = 100 * 0.010 * (1 - 1 / 1.875)
+  assert sr.should_speculate(tau, costs, decode_steps=100, refit_s=saving - 1e-3)
+  assert not sr.should_speculate(tau, costs, decode_steps=100, refit_s=saving + 1e-3)
+  assert sr.should_speculate(tau, costs, decode_steps=100, refit_s=None)  # unknown: the rollout alone decides
   # With verify_s = target_s and draft_s = K gamma target_s the speedup is tau / (1 + K gamma).
   paper = sr.StepCosts(target_s=1.0, draft_s=4 * 0.12, verify_s=1.0, num_draft=4)
   assert sr.predicted_speedup(tau, paper) == pytest.approx(tau / (1 + 4 * 0.12))
@@ -334,24 +339,37 @@ def test_refit_guard_fails_below_the_probe_acceptance_floor(tok):
 
 
 def test_cost_model_in_a_run_measures_and_decides(tok):
-  """Step 1 samples plainly (no acceptance known yet); step 2 measures the three kernels and decides from the
-  running acceptance (the probe's after step 1): with ``min_speedup`` tiny it speculates; step 3, with
-  ``min_speedup`` huge, samples plainly again."""
+  """Step 1 samples plainly (no acceptance known yet) and distils (no refit cost known yet); the refit
+  measures the three kernels. Step 2 decides from the running acceptance (the probe's after step 1): with
+  ``min_speedup`` tiny and the refit cost forgotten (the rollout alone decides) it speculates and distils. Step 3, with ``min_speedup``
+  huge, samples plainly and, the refit cost being known, does no refit: the drafter is left as it was."""
   spec = dict(enabled=True, drafter="transformer", drafter_num_layers=1, num_draft=2, min_speedup=1e-6)
+  drafters = []
 
-  def raise_the_bar(trainer, k):
+  def before(trainer, k):
+    spec_rollouts = trainer.speculative_rollouts if k else None
+    if k == 1:
+      spec_rollouts.refit_s = None
     if k == 2:
-      trainer.speculative_rollouts.cfg.min_speedup = 1e6
+      spec_rollouts.cfg.min_speedup = 1e6
+      assert spec_rollouts.refit_s > 0  # step 2's distillation compiled nothing
+    if k:
+      drafters.append(jax.tree.map(np.asarray, spec_rollouts.state.params))
 
-  trainer, _, history = _run(tok, rl_section(speculative=spec), 3, before_step=raise_the_bar)
+  trainer, _, history = _run(tok, rl_section(speculative=spec), 3, before_step=before)
   first, second, third = (m for _, m in history)
   assert first["rollout/speculative_on"] == 0.0 and "rollout/predicted_speedup" not in first
+  assert first["drafter/refitted"] == 1.0
   costs = trainer.speculative_rollouts.costs
   assert min(costs.target_s, costs.draft_s, costs.verify_s) > 0
   assert second["rollout/predicted_tau"] == pytest.approx(1 + 2 * first["drafter/probe_acceptance"])
   for metrics, on in ((second, 1.0), (third, 0.0)):
     assert metrics["rollout/speculative_on"] == on and ("rollout/tau" in metrics) == bool(on)
+    assert metrics["drafter/refitted"] == on
+    assert ("drafter/param_change" in metrics) == ("drafter/probe_acceptance" in metrics) == bool(on)
     assert metrics["rollout/predicted_speedup"] == pytest.approx(
         metrics["rollout/predicted_tau"] * costs.target_s / (costs.draft_s + costs.verify_s))
     assert metrics["cost/gamma"] == pytest.approx(costs.draft_s / (2 * costs.target_s))
-  assert trainer.speculative_rollouts.refits == 3
+  assert trainer.speculative_rollouts.refits == 2
+  final = jax.tree.map(np.asarray, trainer.speculative_rollouts.state.params)
+  jax.tree.map(np.testing.assert_array_equal, drafters[-1], final)  # step 3 left the drafter unchanged

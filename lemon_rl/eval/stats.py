@@ -245,3 +245,78 @@ def format_paired_table(results: Sequence[PairedResult], digits: int = 3) -> lis
           f"Paired t-intervals over seeds, Holm-corrected over these {results[0].family_size} directions "
           f"(familywise alpha {results[0].family_alpha:g}); the verdict follows the interval."]
 
+
+
+# -- equivalence ---------------------------------------------------------------------------------------
+
+EQUIVALENT = "equivalent"
+NOT_SHOWN_EQUIVALENT = "not shown equivalent"
+
+
+@dataclasses.dataclass(frozen=True)
+class EquivalenceResult:
+  """A claimed equivalence ``|mean(A - B)| < margin`` after two one-sided tests (TOST) and Holm.
+
+  Per claim (``n >= 2`` paired seeds, ``se = sd / sqrt(n)``, ``F`` Student's t with ``n - 1`` degrees of
+  freedom)::
+
+      p = max(1 - F((mean + margin) / se), F((mean - margin) / se))      (TOST, Schuirmann 1987)
+
+  Holm's step-down over the family (:func:`holm_adjust`) gives each claim its level ``a``; the interval is
+  ``mean +- t_{1 - a, n - 1} se`` (the ``1 - 2a`` interval) and the verdict "equivalent" iff it lies inside
+  ``(-margin, margin)``, which holds iff ``p <= a``. With ``sd = 0`` the interval is the point and ``p`` is 0
+  inside the margin, 1 outside; with fewer than 2 seeds ``p = 1`` and the interval is unbounded.
+
+  Attributes:
+    name: the compared quantity. n: paired seeds. mean, lower, upper: the difference and its interval.
+    margin: the equivalence margin. p_value, adjusted_p_value: TOST and Holm-adjusted. confidence: ``1 - 2a``.
+    family_size, family_alpha: of the Holm family. verdict: "equivalent" or "not shown equivalent".
+  """
+
+  name: str
+  n: int
+  mean: float
+  lower: float
+  upper: float
+  margin: float
+  p_value: float
+  adjusted_p_value: float
+  confidence: float
+  family_size: int
+  family_alpha: float
+  verdict: str
+
+
+def tost_p_value(differences: Sequence[float], margin: float) -> float:
+  """TOST p-value of ``|mean| < margin`` for paired ``differences`` (:class:`EquivalenceResult`)."""
+  d = np.asarray(differences, np.float64)
+  if d.size < 2:
+    return 1.0
+  mean, se = float(d.mean()), float(d.std(ddof=1) / math.sqrt(d.size))
+  if se == 0.0:
+    return 0.0 if abs(mean) < margin else 1.0
+  return float(max(stats.t.sf((mean + margin) / se, d.size - 1), stats.t.cdf((mean - margin) / se, d.size - 1)))
+
+
+def holm_equivalence(comparisons: Sequence[PairedComparison], margin: float,
+                     family_alpha: float = 0.05) -> list[EquivalenceResult]:
+  """Holm-corrected TOST of each comparison's differences against ``(-margin, margin)`` (the comparisons'
+  ``expected_sign`` is not used: equivalence has no side)."""
+  if not margin > 0:
+    raise ValueError(f"the equivalence margin must be positive, got {margin}")
+  p = [tost_p_value(c.differences, margin) for c in comparisons]
+  _, adjusted, levels = holm_adjust(p, family_alpha)
+  out = []
+  for j, c in enumerate(comparisons):
+    d = np.asarray(c.differences, np.float64)
+    mean = float(d.mean()) if d.size else float("nan")
+    if d.size < 2:
+      lower, upper = -math.inf, math.inf
+    else:
+      half = float(stats.t.ppf(1.0 - levels[j], d.size - 1)) * float(d.std(ddof=1) / math.sqrt(d.size))
+      lower, upper = mean - half, mean + half
+    verdict = EQUIVALENT if -margin < lower and upper < margin else NOT_SHOWN_EQUIVALENT
+    out.append(EquivalenceResult(name=c.name, n=int(d.size), mean=mean, lower=lower, upper=upper, margin=margin,
+                                 p_value=p[j], adjusted_p_value=adjusted[j], confidence=1.0 - 2.0 * levels[j],
+                                 family_size=len(comparisons), family_alpha=family_alpha, verdict=verdict))
+  return out

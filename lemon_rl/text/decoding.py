@@ -31,7 +31,31 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
   return tokenizer.encode(text, add_bos=tokenizer.bos_id is not None)
 
 
-class ChatPromptTokenizer:
+class _PromptTokenizer:
+  """A tokenizer with its own ``encode_prompt``; every other attribute is the wrapped ``tokenizer``'s."""
+
+  def __init__(self, tokenizer):
+    self.tokenizer = tokenizer
+
+  def __getattr__(self, name: str):
+    if name in ("tokenizer", "template"):  # Not set yet (e.g. while unpickling): no recursion.
+      raise AttributeError(name)
+    return getattr(self.tokenizer, name)
+
+
+class DocumentPromptTokenizer(_PromptTokenizer):
+  """Prompts of a base model trained on documents separated by EOS (``stdlib_corpus.pack_documents``): a
+  prompt is the start of a new document, ``[eos] + encode(text)``, as in training, where every document but
+  the first follows an EOS. Completions, ``decode``, ``eos_ids`` and ``pad_id`` are the wrapped tokenizer's."""
+
+  def encode_prompt(self, text: str) -> list[int]:
+    return [self.tokenizer.eos_id] + self.tokenizer.encode(text)
+
+  def __repr__(self) -> str:
+    return f"DocumentPromptTokenizer({self.tokenizer!r})"
+
+
+class ChatPromptTokenizer(_PromptTokenizer):
   """A tokenizer whose prompts are rendered as one user turn of a chat template (instruct models).
 
   A prompt ``text`` becomes ``template.encode([{"role": "user", "content": text}], add_generation_prompt=True)``:
@@ -42,13 +66,8 @@ class ChatPromptTokenizer:
   """
 
   def __init__(self, tokenizer, template):
-    self.tokenizer = tokenizer
+    super().__init__(tokenizer)
     self.template = template
-
-  def __getattr__(self, name: str):
-    if name in ("tokenizer", "template"):  # Not set yet (e.g. while unpickling): no recursion.
-      raise AttributeError(name)
-    return getattr(self.tokenizer, name)
 
   def encode_prompt(self, text: str) -> list[int]:
     return self.template.encode([{"role": "user", "content": text}], add_generation_prompt=True)

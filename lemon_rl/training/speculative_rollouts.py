@@ -16,7 +16,8 @@ Drafters (``rl.speculative.drafter``): ``eagle``, an :class:`~lemon_rl.models.dr
 policy's own features (``feature_layers``, default EAGLE-3's), drafting through the policy's LM head; or
 ``transformer``, a small ``Transformer`` of preset ``drafter_preset`` over the policy's vocabulary.
 
-**Refresh** (NeMo-RL style token distillation). After every policy update, ``distill_steps_per_rl_step``
+**Refresh** (NeMo-RL style token distillation). After every policy update (with the cost model, after every
+update whose rollout speculated: see below), ``distill_steps_per_rl_step``
 AdamW steps of the drafter on the step's own rollout sequences (prompt + completion, right-packed), with soft
 labels from the *updated* policy: :class:`~lemon_rl.training.drafter_training.DrafterLoss` (the EAGLE-3
 training-time test over ``ttt_steps`` drafting steps) for ``eagle``; for ``transformer``
@@ -28,7 +29,7 @@ what it drafts, the prompts are the context it must read). PPOW refreshes (windo
 ``lemon_rl.training.ppow_training``) are not wired here.
 
 **Refit guard** (no anchor has one; NeMo-RL #2646 is a run whose drafter weights were silently dropped).
-After every refit: (1) some drafter parameter must differ from its value before the refresh, else
+After every distillation: (1) some drafter parameter must differ from its value before the refresh, else
 :class:`DrafterRefitError`; (2) the drafter's acceptance on a fixed probe batch (``probe_size`` rows of the
 first step's rollout sequences, kept for the whole run) must exceed ``min_probe_acceptance``, else
 :class:`DrafterRefitError`. The probe is teacher-forced: :func:`window_acceptance` gives the acceptance
@@ -44,8 +45,15 @@ emits ``tau`` tokens per ``c + v`` seconds and plain sampling one per ``t``::
 
     speedup = tau * t / (c + v)          (= tau / (1 + K gamma) when v = t and c = K gamma t)
 
-with ``tau = 1 + sum_k a_k`` from the running per-position acceptance ``a`` (:func:`expected_tau`). A step
-speculates iff ``speedup > min_speedup``. *Decisions*: ``a`` is an exponential moving average (weight
+with ``tau = 1 + sum_k a_k`` from the running per-position acceptance ``a`` (:func:`expected_tau`). Keeping
+the drafter in step costs ``r`` seconds a step (the last distillation that compiled nothing), so a step
+speculates iff ``speedup > min_speedup`` and the rollout's predicted saving pays for the refit,
+``N t (1 - 1 / speedup) > r`` (``N = max_new_tokens`` decode steps; :func:`should_speculate`); a step that
+sampled plainly once ``r`` is known does no refit at all (no distillation, no probe), so with the cost model
+on a step is never predicted slower than plain sampling. *Decision*: a drafter that does not pay is not
+trained further (and ``a``, ``r`` and the costs stay as they are, so speculation stays off): start the cost
+model from a trained drafter (:meth:`SpeculativeRollouts.set_drafter`); a random one gets the first refits
+(until ``r`` is measured) and stays off. *Decisions*: ``a`` is an exponential moving average (weight
 ``1 - acceptance_decay`` on the newest value) of the measured per-position acceptance of the speculative
 rollouts and, on steps that sampled plainly (which measure nothing), of the probe's after the refit; before
 any acceptance is known (the first step) the cost model samples plainly. ``cost_model = False`` speculates
@@ -56,8 +64,9 @@ Metrics (every step, merged into the trainer's): ``rollout/speculative_on``; on 
 cost model, ``rollout/measured_speedup = tau * t / iteration_s`` (``iteration_s`` = the call's seconds per
 verification iteration, prefills included; not logged for a call that compiled); with the cost model
 ``rollout/predicted_speedup``, ``rollout/predicted_tau``, ``cost/target_s``, ``cost/draft_s``,
-``cost/verify_s``, ``cost/gamma`` (``cost/measure_s`` once); after the refit ``drafter/*`` (distillation
-loss, parameter change, probe acceptance and tau, per-position probe acceptance, refit seconds) and
+``cost/verify_s``, ``cost/gamma``, ``cost/refit_s`` (``cost/measure_s`` once); after the refit ``drafter/*`` (``refitted``,
+probe acceptance and tau, per-position probe acceptance, refit seconds; when it distilled, the distillation
+loss, parameter change and seconds) and
 ``time/drafter_refit_s``.
 """
 
@@ -162,9 +171,15 @@ def predicted_speedup(tau: float, costs: StepCosts) -> float:
   return tau * costs.target_s / (costs.draft_s + costs.verify_s)
 
 
-def should_speculate(tau: float, costs: StepCosts, min_speedup: float = 1.0) -> bool:
-  """Whether speculation pays: ``predicted_speedup(tau, costs) > min_speedup``."""
-  return predicted_speedup(tau, costs) > min_speedup
+def should_speculate(tau: float, costs: StepCosts, min_speedup: float = 1.0, decode_steps: int | None = None,
+                     refit_s: float | None = None) -> bool:
+  """Whether speculation pays: ``speedup = predicted_speedup(tau, costs) > min_speedup`` and, when the
+  drafter's refit time ``refit_s`` is known, the rollout's predicted saving covers it:
+  ``decode_steps * target_s * (1 - 1 / speedup) > refit_s`` (``decode_steps`` plain decode steps)."""
+  speedup = predicted_speedup(tau, costs)
+  if not speedup > min_speedup:
+    return False
+  return refit_s is None or decode_steps * costs.target_s * (1.0 - 1.0 / speedup) > refit_s
 
 
 # -- timing the actual kernels ---------------------------------------------------------------------------
@@ -414,6 +429,8 @@ class SpeculativeRollouts:
     self._shape: tuple[int, int] | None = None
     self._calls: list[dict[str, Any]] = []
     self.refits = 0
+    self.refit_s: float | None = None  # Seconds of the last distillation that compiled nothing.
+    self._decode_steps = 0  # max_new_tokens of the last call.
 
   # -- the drafter ---------------------------------------------------------------------------------------
 
@@ -454,7 +471,8 @@ class SpeculativeRollouts:
     tau = self.predicted_tau()
     if tau is None or self.costs is None:
       return False, None
-    return should_speculate(tau, self.costs, float(self.cfg.min_speedup)), predicted_speedup(tau, self.costs)
+    speculate = should_speculate(tau, self.costs, float(self.cfg.min_speedup), self._decode_steps, self.refit_s)
+    return speculate, predicted_speedup(tau, self.costs)
 
   def __call__(self, model: Transformer, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int,
                rng: jax.Array, tokenizer, sampling) -> SampleOutput:
@@ -463,6 +481,7 @@ class SpeculativeRollouts:
     self.sampling = sampling
     # The cost model's batch: rows, and the mean cached context of a decode step.
     self._shape = (len(prompt_ids), prompt_bucket(max(len(p) for p in prompt_ids)) + max_new_tokens // 2)
+    self._decode_steps = int(max_new_tokens)
     on, speedup = self.decide()
     record: dict[str, Any] = {"on": on, "predicted_speedup": speedup}
     if not on:
@@ -492,6 +511,8 @@ class SpeculativeRollouts:
     if self.costs is not None:
       metrics.update({"cost/target_s": self.costs.target_s, "cost/draft_s": self.costs.draft_s,
                       "cost/verify_s": self.costs.verify_s, "cost/gamma": self.costs.gamma})
+    if self.refit_s is not None:
+      metrics["cost/refit_s"] = self.refit_s
     spec = [c for c in calls if c["on"]]
     if not spec:
       return metrics, None
@@ -535,7 +556,8 @@ class SpeculativeRollouts:
 
   def refit(self, policy_params, rollout) -> dict[str, float]:
     """After the policy update: distill the drafter on ``rollout``'s sequences, run the guard, update the
-    running acceptance; returns the step's ``rollout/*``, ``cost/*`` and ``drafter/*`` metrics.
+    running acceptance (none of it when the cost model made this step plain and the refit's cost is known:
+    module docstring); returns the step's ``rollout/*``, ``cost/*`` and ``drafter/*`` metrics.
 
     Raises:
       DrafterRefitError: the drafter's parameters did not change, or its probe acceptance is not above
@@ -547,6 +569,7 @@ class SpeculativeRollouts:
       raise RuntimeError("rl.speculative.enabled=True, but this trainer's rollout did not sample through the "
                          "shared rollout (lemon_rl.training.rollout); speculative rollouts need it")
     start = time.perf_counter()
+    speculated = any(c["on"] for c in self._calls)
     metrics, measured = self.sampling_metrics()
     self._calls = []
     if "ids" not in rollout.batch or "attention_mask" not in rollout.batch:
@@ -555,16 +578,9 @@ class SpeculativeRollouts:
     tokens, mask = pack_sequences(rollout.batch["ids"], rollout.batch["attention_mask"], self.pad_id)
     if self.probe is None:
       self.probe = (tokens[:int(self.cfg.probe_size)], mask[:int(self.cfg.probe_size)])
-    old = jax.tree.map(jnp.copy, self.state.params)  # update_step donates its state
-    self.state, values = self.distill(self.state, policy_params, {"tokens": jnp.asarray(tokens),
-                                                                  "mask": jnp.asarray(mask)})
-    changed, relative = jax.device_get(_changed(old, self.state.params))
-    self.refits += 1
-    if not changed:
-      raise DrafterRefitError(
-          f"drafter refit {self.refits}: no drafter parameter changed after "
-          f"{self.cfg.distill_steps_per_rl_step} distillation step(s); the update was dropped (NeMo-RL #2646: "
-          f"a drafter whose weights never reach the rollout sampler); refusing to continue")
+    if self.cfg.cost_model and not speculated and self.refit_s is not None:
+      return {**metrics, "drafter/refitted": 0.0}  # A plain step: nothing drafted, nothing to pay for.
+    metrics.update(self._distill_and_check(policy_params, tokens, mask))
     probe = self.probe_acceptance(policy_params)
     acceptance = float(probe.mean())
     if not acceptance > self.cfg.min_probe_acceptance:
@@ -582,18 +598,39 @@ class SpeculativeRollouts:
       self.costs = measure_step_costs(policy, self.engine_drafter(policy), *self._shape, self.num_draft,
                                       s.temperature, s.top_k, s.top_p)
       metrics["cost/measure_s"] = time.perf_counter() - measure_start
-    values = jax.device_get(values)
-    metrics.update({"drafter/distill_loss": float(values["loss"]), "drafter/param_change": float(relative),
-                    "drafter/probe_acceptance": acceptance, "drafter/probe_tau": expected_tau(probe),
-                    "drafter/refit_s": time.perf_counter() - start})
+    metrics.update({"drafter/refitted": 1.0, "drafter/probe_acceptance": acceptance,
+                    "drafter/probe_tau": expected_tau(probe), "drafter/refit_s": time.perf_counter() - start})
     metrics.update({f"drafter/probe_accept_pos_{k}": float(a) for k, a in enumerate(probe)})
     return metrics
 
+  def _distill_and_check(self, policy_params, tokens: np.ndarray, mask: np.ndarray) -> dict[str, float]:
+    """:meth:`distill` on the packed rollout, the guard's parameter-change check, and the distillation's
+    seconds (kept as ``refit_s`` when nothing compiled)."""
+    compiled = _compile_count(drafter_training.update_step)
+    start = time.perf_counter()
+    old = jax.tree.map(jnp.copy, self.state.params)  # update_step donates its state
+    self.state, values = self.distill(self.state, policy_params, {"tokens": jnp.asarray(tokens),
+                                                                  "mask": jnp.asarray(mask)})
+    changed, relative = jax.device_get(_changed(old, self.state.params))
+    seconds = time.perf_counter() - start
+    if compiled is not None and _compile_count(drafter_training.update_step) == compiled:
+      self.refit_s = seconds
+    self.refits += 1
+    if not changed:
+      raise DrafterRefitError(
+          f"drafter refit {self.refits}: no drafter parameter changed after "
+          f"{self.cfg.distill_steps_per_rl_step} distillation step(s); the update was dropped (NeMo-RL #2646: "
+          f"a drafter whose weights never reach the rollout sampler); refusing to continue")
+    values = jax.device_get(values)
+    return {"drafter/distill_loss": float(values["loss"]), "drafter/param_change": float(relative),
+            "drafter/distill_s": seconds}
 
-def _compile_count() -> int | None:
-  """Compiled variants of the engine's jitted prefill and loop (``None`` where jax does not expose it)."""
+
+def _compile_count(*functions) -> int | None:
+  """Compiled variants of jitted ``functions`` (default: the engine's prefill and loop); ``None`` where jax
+  does not expose it."""
   try:
-    return speculative._prefill._cache_size() + speculative._decode._cache_size()  # pylint: disable=protected-access
+    return sum(f._cache_size() for f in functions or (speculative._prefill, speculative._decode))  # pylint: disable=protected-access
   except AttributeError:
     return None
 

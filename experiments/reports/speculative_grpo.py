@@ -1,0 +1,123 @@
+"""The speculative-GRPO section: GRPO with and without speculative rollouts, equivalence and speed.
+
+``saved`` (written by :mod:`experiments.reproduce_speculative_grpo`): ``command``, ``machine``, ``arms``,
+``seeds``, ``margin``, ``family_alpha``, ``config`` (``configs/speculative_grpo.py`` as a dict),
+``disjointness`` (split sizes and overlap counts), ``headroom`` (the step-0 gate), ``runs`` (one per arm and
+seed: ``arm``, ``seed``, ``steps``, ``curve`` (per step: ``step_s``, ``time/sample_s``, reward, ``rollout/*``)
+and ``test`` (``reward_t1``, ``reward_greedy``, lengths)).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from lemon_rl.eval.stats import PairedComparison, format_mean_ci, holm_equivalence
+
+TITLE = "Speculative rollouts inside GRPO: the stdlib policy with a Python syntax reward (METHODS.md section 3)"
+RESULTS_FILE = "experiments/results/speculative_grpo/results.json"
+COMMAND = ("python -m experiments.reproduce_speculative_grpo --workdir=runs/spec_grpo --init_from=SPEC_WORKDIR "
+           "--seeds=0,1,2")
+MISSING = "Not run yet."
+ENDPOINTS = (("reward_t1", "test reward, T=1"), ("reward_greedy", "test validity, greedy"))
+ROLLOUT_TARGET = 1.3  # The issue's target rollout speedup at batch 8-32.
+
+
+def _run(saved: Mapping[str, Any], arm: str, seed: int) -> Mapping[str, Any] | None:
+  return next((r for r in saved["runs"] if r["arm"] == arm and r["seed"] == seed), None)
+
+
+def _pairs(saved: Mapping[str, Any], arm: str) -> list[tuple[Mapping[str, Any], Mapping[str, Any]]]:
+  """``(plain run, arm run)`` of every seed both ran."""
+  pairs = [(_run(saved, "plain", s), _run(saved, arm, s)) for s in saved["seeds"]]
+  return [(p, a) for p, a in pairs if p and a]
+
+
+def equivalence_family(saved: Mapping[str, Any]) -> list[PairedComparison]:
+  """Each speculative arm minus ``plain``, per seed, on each test endpoint (fixed before the run)."""
+  return [PairedComparison(f"{arm} - plain, {label}", +1,
+                           [a["test"][key] - p["test"][key] for p, a in _pairs(saved, arm)])
+          for arm in saved["arms"] if arm != "plain" for key, label in ENDPOINTS]
+
+
+def step_ratios(saved: Mapping[str, Any], arm: str, key: str) -> np.ndarray:
+  """``plain / arm`` of ``key`` (``step_s`` or ``time/sample_s``) per (seed, step)."""
+  return np.asarray([x[key] / y[key] for p, a in _pairs(saved, arm) for x, y in zip(p["curve"], a["curve"])])
+
+
+def total_ratio(saved: Mapping[str, Any], arm: str, key: str) -> float:
+  """Total ``key`` seconds of ``plain`` over those of ``arm`` (the same seeds, every step)."""
+  pairs = _pairs(saved, arm)
+  return (sum(x[key] for p, _ in pairs for x in p["curve"]) / sum(y[key] for _, a in pairs for y in a["curve"]))
+
+
+def _arm_row(saved: Mapping[str, Any], arm: str) -> str:
+  runs = [r for r in saved["runs"] if r["arm"] == arm]
+  curve = [row for r in runs for row in r["curve"]]
+  on = [row for row in curve if row.get("rollout/speculative_on")]
+  tau = f"{np.mean([row['rollout/tau'] for row in on]):.2f}" if on else "-"
+  last = [np.mean([row["reward/total/mean"] for row in r["curve"][-10:]]) for r in runs]
+  cols = [f"{len(runs)}", format_mean_ci([r["test"]["reward_t1"] for r in runs]),
+          format_mean_ci([r["test"]["reward_greedy"] for r in runs]), format_mean_ci(last)]
+  if arm == "plain":
+    cols += ["-", "-", "1", "1", "-"]
+  else:
+    step = step_ratios(saved, arm, "step_s")
+    cols += [f"{len(on)}/{len(curve)}", tau, f"{total_ratio(saved, arm, 'time/sample_s'):.2f}x",
+             f"{total_ratio(saved, arm, 'step_s'):.2f}x",
+             f"{int((step < 1).sum())}/{step.size} (min {step.min():.2f}x)"]
+  return f"| {arm} | " + " | ".join(cols) + " |"
+
+
+def render(saved: Mapping[str, Any]) -> str:
+  c, d, gate = saved["config"], saved["disjointness"], saved["headroom"]
+  rl, spec = c["rl"], c["rl"]["speculative"]
+  checks = "; ".join(f"{x['statistic']} {x['value']:.3f} ({x['bound']} {x['threshold']:g}: "
+                     f"{'pass' if x['passed'] else 'FAIL'})" for x in gate["checks"])
+  rows = ["| arm | seeds | test reward T=1 | test validity greedy | train reward, last 10 steps | "
+          "speculative steps | tau | rollout speedup | step speedup | steps slower than plain |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
+  rows += [_arm_row(saved, arm) for arm in saved["arms"]]
+  results = holm_equivalence(equivalence_family(saved), saved["margin"], saved["family_alpha"])
+  eq_rows = ["| comparison | seeds | mean difference | interval | TOST p | Holm-adjusted p | verdict |",
+             "|---|---|---|---|---|---|---|"]
+  eq_rows += [f"| {r.name} | {r.n} | {r.mean:+.3f} | [{r.lower:+.3f}, {r.upper:+.3f}] ({r.confidence:.1%}) | "
+              f"{r.p_value:.3g} | {r.adjusted_p_value:.3g} | {r.verdict} |" for r in results]
+  speed = []
+  for arm in saved["arms"]:
+    if arm != "plain":
+      ratio = total_ratio(saved, arm, "time/sample_s")
+      speed.append(f"`{arm}` rollout {ratio:.2f}x: the {ROLLOUT_TARGET}x target is "
+                   f"{'met' if ratio >= ROLLOUT_TARGET else 'not met'}")
+  lines = [
+      f"Command: `{saved['command']}` on {saved['machine']}.",
+      "",
+      f"The stdlib target (`configs/stdlib_speculative.py`) as the policy, GRPO for {rl['steps']} steps of "
+      f"{rl['prompts_per_step']} prompts x {rl['num_generations']} completions (rollout batch "
+      f"{rl['prompts_per_step'] * rl['num_generations']}) of up to {rl['max_new_tokens']} tokens at temperature "
+      f"{rl['temperature']:g}, lr {rl['learning_rate']:g}; prompts are standard-library function heads, the "
+      f"reward is 1 when head + completion is valid Python so far (`lemon_rl.rewards.python_syntax`). "
+      f"Speculative arms: the spec run's EAGLE-3 head as the start drafter, `K = {spec['num_draft']}`, "
+      f"distilled to the policy after every update; `speculative` drafts on every step, `cost_model` when "
+      f"the measured costs predict a gain. Test evaluation with plain `generate`, the same key for every arm: "
+      f"{c['eval']['samples_per_prompt']} samples per test prompt at T=1 and one greedy. Speedups are "
+      f"`plain / arm` of the total seconds over the same seeds and steps (after a warm-up run compiled "
+      f"everything); the step includes the drafter's refit.",
+      "",
+      f"Splits (function heads, disjoint by package): {d['train_prompts']} train, {d['validation_prompts']} "
+      f"validation, {d['test_prompts']} test; held-out heads found in training files: "
+      f"{d['validation_in_train_files']} validation, {d['test_in_train_files']} test (after dropping "
+      f"{d['validation_dropped_in_train_files']} and {d['test_dropped_in_train_files']} verbatim copies). "
+      f"Step-0 headroom gate (validation, start policy and drafter): {checks}.",
+      "",
+      *rows,
+      "",
+      f"Equivalence with plain sampling (TOST, margin ±{saved['margin']:g}, Holm over the "
+      f"{len(results)} comparisons at familywise {saved['family_alpha']:g}):",
+      "",
+      *eq_rows,
+      "",
+      "Speed: " + "; ".join(speed) + ".",
+  ]
+  return "\n".join(lines)

@@ -1,0 +1,198 @@
+"""The speculative-GRPO experiment's parts: the Python syntax reward, the function-head prompts and their
+splits, the document-start prompt encoding, TOST equivalence, and the reproduction end to end (tiny)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+from experiments.reports import speculative_grpo as report
+from lemon_rl.data.stdlib_corpus import SourceFile, StdlibCorpus
+from lemon_rl.envs import stdlib_code
+from lemon_rl.eval import stats
+from lemon_rl.rewards.python_syntax import INVALID, VALID, PythonSyntaxReward, syntax_status
+from lemon_rl.text import ByteTokenizer
+from lemon_rl.text.decoding import DocumentPromptTokenizer, encode_prompt
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HEAD = "def f(x):\n"
+
+
+# -- the reward ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("source, finished, expected", [
+    (HEAD + "    return x + 1\n", True, VALID),  # a whole function
+    (HEAD, True, INVALID),  # stopped right after the header: not a module
+    (HEAD, False, VALID),  # cut right after the header: an open block
+    (HEAD + "    y = (x +\n", False, VALID),  # an open bracket
+    (HEAD + '    """doc\n', False, VALID),  # an open string
+    (HEAD + "    y = x x\n    z = (\n", False, INVALID),  # an error before the cut
+    (HEAD + "    y = 1\n      z = 2\n", False, INVALID),  # unexpected indent
+    (HEAD + "    return x\n    y = x x", False, VALID),  # the partial last line is dropped
+    (HEAD + "    return x\n    y = x x", True, INVALID),  # ... unless the model said it was finished
+    (HEAD + "    return (x", True, INVALID),  # finished: an open bracket is an error
+    (HEAD + "    return '\\d'\n", True, VALID),  # SyntaxWarning (invalid escape) is not an error
+    (HEAD + "    return '\x00'\n", True, INVALID),  # NUL: ValueError
+    ("(" * 300 + "\n", False, INVALID),  # too deeply nested
+])
+def test_syntax_status_by_hand(source, finished, expected):
+  assert syntax_status(source, finished) == expected
+
+
+def test_reward_reads_eos_from_the_ids():
+  reward = PythonSyntaxReward(eos_ids=[2, 7])
+  prompts = [HEAD] * 4
+  completions = ["    return x\n", "    return x\n", "", "    y = x x\n"]
+  ids = [[5, 5, 2], [5, 5], [7], [5, 5, 5]]  # finished, cut, finished right away, cut
+  out = reward(prompts, completions, ids)
+  np.testing.assert_array_equal(out.rewards, [1.0, 1.0, 0.0, 0.0])
+  np.testing.assert_array_equal(out.metrics["finished"], [1.0, 0.0, 1.0, 0.0])
+  np.testing.assert_array_equal(out.metrics["lines"], [1.0, 1.0, 0.0, 1.0])
+
+
+# -- prompts and splits ----------------------------------------------------------------------------------
+
+MODULE = '''import os
+
+
+@decorator
+def top(a, b):
+    """Adds.
+
+    More.
+    """
+    c = a + b
+    d = c * 2
+    return d
+
+
+def short(a):
+    return a
+
+
+class K:
+    def method(self, x):
+        y = x
+        z = y
+        w = z
+        return w
+'''
+
+
+def test_function_heads_by_hand():
+  heads = dict(stdlib_code.function_heads(MODULE, min_body_lines=3))
+  assert heads == {"top": 'def top(a, b):\n    """Adds.\n\n    More.\n    """\n',  # decorator left out
+                   "K.method": "def method(self, x):\n    y = x\n"}  # dedented; short() has 1 body line
+  assert stdlib_code.function_heads("def broken(:\n") == []
+  assert set(dict(stdlib_code.function_heads(MODULE, min_body_lines=0))) == {"top", "short", "K.method"}
+
+
+def _file(path, text):
+  return SourceFile(path=path, package=path.split("/")[0].removesuffix(".py"), text=text)
+
+
+def test_code_splits_are_disjoint_and_drop_heads_copied_from_training_files():
+  shared = "def common(self):\n    a = 1\n    b = 2\n    c = 3\n    return a\n"
+  train = (_file("alpha.py", MODULE), _file("beta.py", shared))
+  test = (_file("gamma.py", "class C:\n    " + shared.replace("\n", "\n    ")),  # a copy, indented
+          _file("delta.py", "def own(q):\n    r = q\n    s = r\n    t = s\n    return t\n"))
+  corpus = StdlibCorpus(root="/", train=train, test=test, dropped={}, test_percent=10.0, hash="h")
+  splits, info = stdlib_code.code_splits(corpus, ByteTokenizer(), min_tokens=1, max_tokens=1000)
+  assert [r["name"] for r in splits["train"]] == ["top", "K.method", "common"]
+  assert corpus.packages("test") == ["delta", "gamma"]  # validation delta, test gamma (alternately)
+  assert [r["name"] for r in splits["validation"]] == ["own"]
+  assert splits["test"] == [] and info["test_dropped_in_train_files"] == 1
+  assert info["validation_in_train_files"] == info["train_in_validation"] == 0
+  with pytest.raises(AssertionError, match="overlap"):
+    stdlib_code.check_disjoint_code({"train": splits["train"], "validation": splits["train"][:1]}, "")
+
+
+def test_code_prompts_filter_by_token_count():
+  files = [_file("alpha.py", MODULE)]
+  lengths = {r["name"]: r["prompt_tokens"] for r in stdlib_code.code_prompts(files, ByteTokenizer(),
+                                                                             min_tokens=1, max_tokens=1000)}
+  assert lengths == {"top": 47, "K.method": 31}  # bytes
+  kept = stdlib_code.code_prompts(files, ByteTokenizer(), min_tokens=31, max_tokens=40)
+  assert [r["name"] for r in kept] == ["K.method"]
+
+
+def test_document_prompts_start_with_eos():
+  tok = ByteTokenizer()
+  wrapped = DocumentPromptTokenizer(tok)
+  assert encode_prompt(wrapped, "ab") == [tok.eos_id] + tok.encode("ab")
+  assert wrapped.eos_ids == tok.eos_ids and wrapped.decode(tok.encode("ab")) == "ab"
+
+
+# -- equivalence -----------------------------------------------------------------------------------------
+
+
+def test_tost_matches_two_one_sided_scipy_tests():
+  d = [0.01, -0.02, 0.015, 0.0, 0.005]
+  margin = 0.05
+  lower = scipy_stats.ttest_1samp(np.asarray(d) + margin, 0.0, alternative="greater").pvalue
+  upper = scipy_stats.ttest_1samp(np.asarray(d) - margin, 0.0, alternative="less").pvalue
+  assert stats.tost_p_value(d, margin) == pytest.approx(max(lower, upper), rel=1e-12)
+  assert stats.tost_p_value([0.01, 0.01], margin) == 0.0 and stats.tost_p_value([0.1, 0.1], margin) == 1.0
+  assert stats.tost_p_value([0.0], margin) == 1.0
+
+
+def test_holm_equivalence_interval_and_verdict_agree():
+  tight = stats.PairedComparison("tight", 1, [0.01, -0.01, 0.0, 0.005])
+  wide = stats.PairedComparison("wide", 1, [0.2, -0.2, 0.1, -0.1])
+  shifted = stats.PairedComparison("shifted", 1, [0.1, 0.11, 0.09, 0.1])
+  results = stats.holm_equivalence([tight, wide, shifted], margin=0.05, family_alpha=0.05)
+  assert [r.verdict for r in results] == [stats.EQUIVALENT] + [stats.NOT_SHOWN_EQUIVALENT] * 2
+  for r in results:
+    inside = -r.margin < r.lower and r.upper < r.margin
+    assert inside == (r.adjusted_p_value <= r.family_alpha)
+  # The first rank is tested at alpha / 3: its interval is the one-sided 1 - alpha/3 bound on both sides.
+  d = np.asarray(tight.differences)
+  half = scipy_stats.t.ppf(1 - 0.05 / 3, d.size - 1) * d.std(ddof=1) / math.sqrt(d.size)
+  assert results[0].upper == pytest.approx(d.mean() + half) and results[0].confidence == pytest.approx(1 - 0.1 / 3)
+  with pytest.raises(ValueError, match="margin"):
+    stats.holm_equivalence([tight], margin=0.0)
+
+
+# -- the reproduction end to end -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved(tiny_speculative_run, tmp_path_factory):
+  out = tmp_path_factory.mktemp("spec_grpo")
+  results = str(out / "results.json")
+  subprocess.run([sys.executable, "-m", "experiments.reproduce_speculative_grpo", f"--workdir={out / 'work'}",
+                  f"--init_from={tiny_speculative_run[0]}", "--size=tiny", "--seeds=0,1", "--steps=2",
+                  "--arms=plain,speculative", f"--results_file={results}"], cwd=ROOT, check=True,
+                 capture_output=True)
+  with open(results) as f:
+    return json.load(f)
+
+
+def test_reproduction_structure_and_report(saved):
+  assert sorted((r["arm"], r["seed"]) for r in saved["runs"]) == [("plain", 0), ("plain", 1),
+                                                                   ("speculative", 0), ("speculative", 1)]
+  for r in saved["runs"]:
+    assert len(r["curve"]) == 2 and all(row["step_s"] > 0 and row["time/sample_s"] > 0 for row in r["curve"])
+    assert 0.0 <= r["test"]["reward_t1"] <= 1.0 and 0.0 <= r["test"]["reward_greedy"] <= 1.0
+    assert all(row["rollout/speculative_on"] == 1.0 and row["rollout/tau"] >= 1.0
+               for row in r["curve"]) == (r["arm"] == "speculative")
+  d = saved["disjointness"]
+  assert d["validation_in_train_files"] == d["test_in_train_files"] == d["train_in_test"] == 0
+  assert all(c["passed"] for c in saved["headroom"]["checks"])
+  family = report.equivalence_family(saved)
+  assert [c.name for c in family] == ["speculative - plain, test reward, T=1",
+                                      "speculative - plain, test validity, greedy"]
+  for c, key in zip(family, ("reward_t1", "reward_greedy")):
+    by = {(r["arm"], r["seed"]): r["test"][key] for r in saved["runs"]}
+    assert list(c.differences) == [by["speculative", s] - by["plain", s] for s in (0, 1)]
+  plain = sum(row["time/sample_s"] for r in saved["runs"] if r["arm"] == "plain" for row in r["curve"])
+  spec = sum(row["time/sample_s"] for r in saved["runs"] if r["arm"] == "speculative" for row in r["curve"])
+  assert report.total_ratio(saved, "speculative", "time/sample_s") == pytest.approx(plain / spec)
+  text = report.render(saved)
+  assert "| speculative | 2 |" in text and "TOST" in text and "target is" in text
