@@ -48,6 +48,9 @@ def get_config(size: str = "cpu") -> config_dict.ConfigDict:
       drafter="eagle", num_draft=1, distill_steps_per_rl_step=1, learning_rate=1e-4, probe_size=8,
       min_probe_acceptance=0.05, acceptance_decay=0.5))
   c.prompt_len = 32  # Prompt slots of the training sequences (the heads' bucket).
+  # Complete lines a completion needs to earn the reward (lemon_rl.rewards.python_syntax): without it a head
+  # ending with its docstring compiles on its own and the policy learns to stop right after it.
+  c.reward_min_lines = 4
 
   c.eval = config_dict.ConfigDict()
   c.eval.samples_per_prompt = 4  # At temperature 1 (plus one greedy completion per prompt).
@@ -72,6 +75,7 @@ def get_config(size: str = "cpu") -> config_dict.ConfigDict:
     c.rl.update(max_new_tokens=16, steps=3)
     c.rl.speculative.update(num_draft=2, learning_rate=1e-3, min_probe_acceptance=0.0)
     c.prompt_len = 64
+    c.reward_min_lines = 1
     c.eval.update(samples_per_prompt=2, max_prompts=8)
     c.headroom.thresholds.update(min_signal_group_share=0.0, max_reward_mean=1.0,
                                  min_start_probe_acceptance=0.0)  # An untrained tiny policy: the gate only runs.

@@ -19,7 +19,8 @@ variance within prompts and a mean below the ceiling; the start drafter's accept
 
 *Runs.* For every seed and arm, ``rl.steps`` GRPO steps from the start policy (and, for the speculative
 arms, the start drafter), the prompts of step ``k`` drawn by ``(seed, k)`` so every arm sees the same ones.
-One throwaway warm-up run per arm compiles everything first, so the timed runs compile nothing. Per step
+One throwaway warm-up run per arm compiles everything first, so the timed runs compile nothing, and the
+order of the arms rotates from seed to seed, so no arm always runs first after an evaluation. Per step
 the trainer's metrics are kept: reward, ``time/sample_s`` (the rollout's sampling), the step's wall time
 (rollout, update and, for the speculative arms, the drafter's refit), ``rollout/tau``,
 ``rollout/speculative_on``.
@@ -102,7 +103,7 @@ class Setup:
     p = config.prompts
     self.splits, self.disjointness = stdlib_code.code_splits(
         corpus, tokenizer, min_tokens=p.min_tokens, max_tokens=p.max_tokens, min_body_lines=p.min_body_lines)
-    self.reward = PythonSyntaxReward(self.tokenizer.eos_ids)
+    self.reward = PythonSyntaxReward(self.tokenizer.eos_ids, config.reward_min_lines)
     self.optimizer = phases.optimizer_from_section(config.rl)  # One object: every run compiles one update.
 
   def policy(self):
@@ -250,8 +251,8 @@ def main(argv):
       "init_from": os.path.abspath(FLAGS.init_from), "disjointness": setup.disjointness,
       "headroom": gate, "runs": [],
   }
-  for seed in seeds:
-    for arm in arms:
+  for i, seed in enumerate(seeds):
+    for arm in arms[i % len(arms):] + arms[:i % len(arms)]:  # Rotated: no arm always runs first.
       name = os.path.join(FLAGS.workdir, "runs", f"{arm}_seed{seed}_steps{steps}.pkl")
       record, params = cached(name, lambda arm=arm, seed=seed: train_arm(setup, arm, seed, steps))
       test = cached(name.replace(".pkl", "_test.pkl"), lambda params=params: setup.evaluate(params, "test", 1))

@@ -54,6 +54,12 @@ def test_reward_reads_eos_from_the_ids():
   np.testing.assert_array_equal(out.rewards, [1.0, 1.0, 0.0, 0.0])
   np.testing.assert_array_equal(out.metrics["finished"], [1.0, 0.0, 1.0, 0.0])
   np.testing.assert_array_equal(out.metrics["lines"], [1.0, 1.0, 0.0, 1.0])
+  # A docstring head compiles on its own: with min_lines, stopping right after it earns nothing.
+  doc_head = 'def f(x):\n    """Doc."""\n'
+  bodies = ["", "    y = x\n", "    y = x\n    return y\n"]
+  lines = PythonSyntaxReward(eos_ids=[2], min_lines=2)([doc_head] * 3, bodies, [[2], [5, 2], [5, 5, 2]])
+  np.testing.assert_array_equal(lines.rewards, [0.0, 0.0, 1.0])
+  np.testing.assert_array_equal(reward([doc_head], [""], [[2]]).rewards, [1.0])  # min_lines = 0: the shortcut
 
 
 # -- prompts and splits ----------------------------------------------------------------------------------

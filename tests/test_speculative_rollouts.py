@@ -341,8 +341,9 @@ def test_refit_guard_fails_below_the_probe_acceptance_floor(tok):
 def test_cost_model_in_a_run_measures_and_decides(tok):
   """Step 1 samples plainly (no acceptance known yet) and distils (no refit cost known yet); the refit
   measures the three kernels. Step 2 decides from the running acceptance (the probe's after step 1): with
-  ``min_speedup`` tiny and the refit cost forgotten (the rollout alone decides) it speculates and distils. Step 3, with ``min_speedup``
-  huge, samples plainly and, the refit cost being known, does no refit: the drafter is left as it was."""
+  ``min_speedup`` tiny and the refit cost forgotten (the rollout alone decides) it speculates and distils.
+  Step 3, with ``min_speedup`` huge, samples plainly and, the refit cost being known, does no refit: the
+  drafter is left as it was."""
   spec = dict(enabled=True, drafter="transformer", drafter_num_layers=1, num_draft=2, min_speedup=1e-6)
   drafters = []
 

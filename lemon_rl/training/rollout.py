@@ -417,7 +417,8 @@ def rollout_and_update(trainer, state, examples: Sequence[Mapping[str, Any]],
 
   With ``rl.speculative.enabled`` (:mod:`lemon_rl.training.speculative_rollouts`) the rollout samples through
   the trainer's speculative sampler and, after the update, the drafter is refitted to the new policy and
-  checked (its metrics join the step's; ``time/step_s`` includes the refit, ``time/drafter_refit_s``).
+  checked, unless the cost model made the step plain (its metrics join the step's; ``time/step_s`` includes
+  the refit, ``time/drafter_refit_s``).
   """
   speculative = speculative_rollouts.for_trainer(trainer)
   t0 = time.perf_counter()

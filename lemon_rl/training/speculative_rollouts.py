@@ -64,10 +64,9 @@ Metrics (every step, merged into the trainer's): ``rollout/speculative_on``; on 
 cost model, ``rollout/measured_speedup = tau * t / iteration_s`` (``iteration_s`` = the call's seconds per
 verification iteration, prefills included; not logged for a call that compiled); with the cost model
 ``rollout/predicted_speedup``, ``rollout/predicted_tau``, ``cost/target_s``, ``cost/draft_s``,
-``cost/verify_s``, ``cost/gamma``, ``cost/refit_s`` (``cost/measure_s`` once); after the refit ``drafter/*`` (``refitted``,
-probe acceptance and tau, per-position probe acceptance, refit seconds; when it distilled, the distillation
-loss, parameter change and seconds) and
-``time/drafter_refit_s``.
+``cost/verify_s``, ``cost/gamma``, ``cost/refit_s`` (``cost/measure_s`` once); after the refit
+``drafter/refitted`` and, when it ran, the distillation loss, parameter change and seconds, the probe
+acceptance and tau, per-position probe acceptance, refit seconds (``drafter/*``) and ``time/drafter_refit_s``.
 """
 
 from __future__ import annotations
@@ -629,8 +628,9 @@ class SpeculativeRollouts:
 def _compile_count(*functions) -> int | None:
   """Compiled variants of jitted ``functions`` (default: the engine's prefill and loop); ``None`` where jax
   does not expose it."""
+  functions = functions or (speculative._prefill, speculative._decode)  # pylint: disable=protected-access
   try:
-    return sum(f._cache_size() for f in functions or (speculative._prefill, speculative._decode))  # pylint: disable=protected-access
+    return sum(f._cache_size() for f in functions)  # pylint: disable=protected-access
   except AttributeError:
     return None
 
