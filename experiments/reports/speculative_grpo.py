@@ -63,9 +63,10 @@ def _arm_row(saved: Mapping[str, Any], arm: str) -> str:
   if arm == "plain":
     cols += ["-", "-", "1", "1", "-"]
   else:
-    step = step_ratios(saved, arm, "step_s")
-    cols += [f"{len(on)}/{len(curve)}", tau, f"{total_ratio(saved, arm, 'time/sample_s'):.2f}x",
-             f"{total_ratio(saved, arm, 'step_s'):.2f}x",
+    step, sample = step_ratios(saved, arm, "step_s"), step_ratios(saved, arm, "time/sample_s")
+    cols += [f"{len(on)}/{len(curve)}", tau,
+             f"{total_ratio(saved, arm, 'time/sample_s'):.2f}x (median {np.median(sample):.2f}x)",
+             f"{total_ratio(saved, arm, 'step_s'):.2f}x (median {np.median(step):.2f}x)",
              f"{int((step < 1).sum())}/{step.size} (min {step.min():.2f}x)"]
   return f"| {arm} | " + " | ".join(cols) + " |"
 
@@ -104,7 +105,7 @@ def render(saved: Mapping[str, Any]) -> str:
       f"the measured costs predict a gain. Test evaluation with plain `generate`, the same key for every arm: "
       f"{c['eval']['samples_per_prompt']} samples per test prompt at T=1 and one greedy. Speedups are "
       f"`plain / arm` of the total seconds over the same seeds and steps (after a warm-up run compiled "
-      f"everything); the step includes the drafter's refit.",
+      f"everything), with the median of the per-step ratios; the step includes the drafter's refit.",
       "",
       f"Splits (function heads, disjoint by package): {d['train_prompts']} train, {d['validation_prompts']} "
       f"validation, {d['test_prompts']} test; held-out heads found in training files: "

@@ -46,7 +46,8 @@ emits ``tau`` tokens per ``c + v`` seconds and plain sampling one per ``t``::
     speedup = tau * t / (c + v)          (= tau / (1 + K gamma) when v = t and c = K gamma t)
 
 with ``tau = 1 + sum_k a_k`` from the running per-position acceptance ``a`` (:func:`expected_tau`). Keeping
-the drafter in step costs ``r`` seconds a step (the last distillation that compiled nothing), so a step
+the drafter in step costs ``r`` seconds a step (the last refit's distillation and probe that compiled
+nothing), so a step
 speculates iff ``speedup > min_speedup`` and the rollout's predicted saving pays for the refit,
 ``N t (1 - 1 / speedup) > r`` (``N = max_new_tokens`` decode steps; :func:`should_speculate`); a step that
 sampled plainly once ``r`` is known does no refit at all (no distillation, no probe), so with the cost model
@@ -55,7 +56,7 @@ trained further (and ``a``, ``r`` and the costs stay as they are, so speculation
 model from a trained drafter (:meth:`SpeculativeRollouts.set_drafter`); a random one gets the first refits
 (until ``r`` is measured) and stays off. *Decisions*: ``a`` is an exponential moving average (weight
 ``1 - acceptance_decay`` on the newest value) of the measured per-position acceptance of the speculative
-rollouts and, on steps that sampled plainly (which measure nothing), of the probe's after the refit; before
+rollouts and, on steps that sampled plainly and refitted (which measure nothing), of the probe's; before
 any acceptance is known (the first step) the cost model samples plainly. ``cost_model = False`` speculates
 on every step (nothing is timed).
 
@@ -65,7 +66,7 @@ cost model, ``rollout/measured_speedup = tau * t / iteration_s`` (``iteration_s`
 verification iteration, prefills included; not logged for a call that compiled); with the cost model
 ``rollout/predicted_speedup``, ``rollout/predicted_tau``, ``cost/target_s``, ``cost/draft_s``,
 ``cost/verify_s``, ``cost/gamma``, ``cost/refit_s`` (``cost/measure_s`` once); after the refit
-``drafter/refitted`` and, when it ran, the distillation loss, parameter change and seconds, the probe
+``drafter/refitted`` and, when it ran, the distillation loss and parameter change, the probe
 acceptance and tau, per-position probe acceptance, refit seconds (``drafter/*``) and ``time/drafter_refit_s``.
 """
 
@@ -428,7 +429,7 @@ class SpeculativeRollouts:
     self._shape: tuple[int, int] | None = None
     self._calls: list[dict[str, Any]] = []
     self.refits = 0
-    self.refit_s: float | None = None  # Seconds of the last distillation that compiled nothing.
+    self.refit_s: float | None = None  # Seconds of the last refit (distillation, probe) that compiled nothing.
     self._decode_steps = 0  # max_new_tokens of the last call.
 
   # -- the drafter ---------------------------------------------------------------------------------------
@@ -579,8 +580,11 @@ class SpeculativeRollouts:
       self.probe = (tokens[:int(self.cfg.probe_size)], mask[:int(self.cfg.probe_size)])
     if self.cfg.cost_model and not speculated and self.refit_s is not None:
       return {**metrics, "drafter/refitted": 0.0}  # A plain step: nothing drafted, nothing to pay for.
+    compiled, refit_start = _compile_count(drafter_training.update_step, _probe), time.perf_counter()
     metrics.update(self._distill_and_check(policy_params, tokens, mask))
     probe = self.probe_acceptance(policy_params)
+    if compiled is not None and _compile_count(drafter_training.update_step, _probe) == compiled:
+      self.refit_s = time.perf_counter() - refit_start  # Distillation and probe, nothing compiled.
     acceptance = float(probe.mean())
     if not acceptance > self.cfg.min_probe_acceptance:
       raise DrafterRefitError(
@@ -603,17 +607,11 @@ class SpeculativeRollouts:
     return metrics
 
   def _distill_and_check(self, policy_params, tokens: np.ndarray, mask: np.ndarray) -> dict[str, float]:
-    """:meth:`distill` on the packed rollout, the guard's parameter-change check, and the distillation's
-    seconds (kept as ``refit_s`` when nothing compiled)."""
-    compiled = _compile_count(drafter_training.update_step)
-    start = time.perf_counter()
+    """:meth:`distill` on the packed rollout and the guard's parameter-change check."""
     old = jax.tree.map(jnp.copy, self.state.params)  # update_step donates its state
     self.state, values = self.distill(self.state, policy_params, {"tokens": jnp.asarray(tokens),
                                                                   "mask": jnp.asarray(mask)})
     changed, relative = jax.device_get(_changed(old, self.state.params))
-    seconds = time.perf_counter() - start
-    if compiled is not None and _compile_count(drafter_training.update_step) == compiled:
-      self.refit_s = seconds
     self.refits += 1
     if not changed:
       raise DrafterRefitError(
@@ -621,8 +619,7 @@ class SpeculativeRollouts:
           f"{self.cfg.distill_steps_per_rl_step} distillation step(s); the update was dropped (NeMo-RL #2646: "
           f"a drafter whose weights never reach the rollout sampler); refusing to continue")
     values = jax.device_get(values)
-    return {"drafter/distill_loss": float(values["loss"]), "drafter/param_change": float(relative),
-            "drafter/distill_s": seconds}
+    return {"drafter/distill_loss": float(values["loss"]), "drafter/param_change": float(relative)}
 
 
 def _compile_count(*functions) -> int | None:
