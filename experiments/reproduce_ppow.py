@@ -433,13 +433,7 @@ def main(argv):
       saved["runs"].append({**record, "validation": val, "test": test})
       log(f"{arm} seed {seed} (lr {lr:g}): test tau greedy {test['tau_greedy']:.3f}, T=1 {test['tau_t1']:.3f}")
   saved["total_wall_s"] = time.time() - t_start
-  path = os.path.join(results_md.ROOT, FLAGS.results_file)
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  with open(path, "w") as f:
-    json.dump(saved, f, indent=1)
-  if FLAGS.results_file == report.RESULTS_FILE:
-    results_md.main([])
-  print(report.render(saved))
+  print(results_md.write_results(saved, FLAGS.results_file, report))
 
 
 if __name__ == "__main__":

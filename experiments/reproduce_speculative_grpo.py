@@ -260,13 +260,7 @@ def main(argv):
       log(f"{arm} seed {seed}: test reward T=1 {test['reward_t1']:.3f}, greedy {test['reward_greedy']:.3f}; "
           f"{sum(r['step_s'] for r in record['curve']):.0f} s of steps")
   saved["total_wall_s"] = time.time() - t_start
-  path = os.path.join(results_md.ROOT, FLAGS.results_file)
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  with open(path, "w") as f:
-    json.dump(saved, f, indent=1)
-  if FLAGS.results_file == report.RESULTS_FILE:
-    results_md.main([])
-  print(report.render(saved))
+  print(results_md.write_results(saved, FLAGS.results_file, report))
 
 
 if __name__ == "__main__":

@@ -63,6 +63,18 @@ def render_all(modules: Sequence[str] = REPORTS) -> str:
   return HEADER + "".join("\n" + render_section(m) for m in modules)
 
 
+def write_results(saved, results_file: str, report) -> str:
+  """Writes a reproduction's ``saved`` results to ``results_file`` (relative to the repository), regenerates
+  ``RESULTS.md`` when that is ``report.RESULTS_FILE`` (not for a scratch file) and returns the rendered section."""
+  path = os.path.join(ROOT, results_file)
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(saved, f, indent=1)
+  if results_file == report.RESULTS_FILE:
+    main([])
+  return report.render(saved)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.strip().split("\n")[0])
   parser.add_argument("--check", action="store_true", help="compare instead of writing")
