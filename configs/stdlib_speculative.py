@@ -8,11 +8,13 @@ EAGLE-3 drafter (``lemon_rl.models.drafter``) on the target's own continuations 
 (self-distillation, ``lemon_rl.training.drafter_training``).
 
 Variants (``--config=configs/stdlib_speculative.py:<variant>``):
-  ``cpu`` (default): about an hour on an idle 2-core CPU (estimated from FLOPs and from short pilots on a
-    shared machine, not yet from a full run): data and tokenizer about 1 min, target 35-45 min (1000 steps
-    of 16 x 256 tokens, about 1.4 epochs of the 3.0M training tokens; d 256, 8 blocks, 8.4M parameters),
-    self-distillation data about 3 min (2048 continuations of up to 192 tokens), drafter about 12 min (600
-    steps of 8 x 256 tokens, 4 unrolled steps; 1.3M trainable parameters), report 1-2 min.
+  ``cpu`` (default): 67 min on this 2-vCPU Xeon (2026-12-01, one run; besides it about 2 CPU-minutes
+    of other work and 3-4% hypervisor steal): data and tokenizer 0.5 min; target 41.1 min (800 steps of
+    16 x 256 tokens, about 1.1 epochs of the 3.0M training tokens; d 256, 8 blocks, 8.4M parameters;
+    held-out NLL 3.48 nats/token); self-distillation data 7.3 min (2048 continuations of up to 192 tokens,
+    256 per generate call); drafter 15.7 min (500 steps of 8 x 256 tokens, 4 unrolled steps; 1.3M trainable
+    parameters); evaluations, report and the rest 2.4 min. Until 2026-12-01 the target ran 1000 steps and
+    the drafter 600 (held-out NLL 3.26; 78-82 min in all).
   ``tiny``: a smoke run of every stage in about a minute (tests).
 """
 
@@ -41,7 +43,7 @@ def get_config(variant: str = "cpu") -> config_dict.ConfigDict:
   c.target.num_heads = 8
   c.target.num_kv_heads = 4
   c.target.mlp_dim = 1024
-  c.target.steps = 1000
+  c.target.steps = 800
   c.target.batch_size = 16  # Rows of seq_len tokens per step.
   c.target.learning_rate = 1e-3
   c.target.warmup_steps = 60
@@ -55,7 +57,7 @@ def get_config(variant: str = "cpu") -> config_dict.ConfigDict:
   c.distill.num_sequences = 2048  # Target continuations of training prompts (the drafter's data).
   c.distill.prompt_len = 64  # Prompt: the first tokens of a training row.
   c.distill.new_tokens = 192  # Continuation length limit (a row stops at <eos>).
-  c.distill.batch_size = 64  # Rows per generate call.
+  c.distill.batch_size = 256  # Rows per generate call.
   c.distill.temperatures = (0.0, 1.0)  # Cycled over generate calls: greedy and sampled continuations.
 
   c.drafter = config_dict.ConfigDict()
@@ -66,7 +68,7 @@ def get_config(variant: str = "cpu") -> config_dict.ConfigDict:
   c.drafter.ttt_steps = 4  # Unrolled drafting steps of the training-time test.
   c.drafter.step_decay = 0.8  # Weight decay^k of step k's loss.
   c.drafter.feature_weight = 0.0  # Weight of the optional feature regression.
-  c.drafter.steps = 600
+  c.drafter.steps = 500
   c.drafter.batch_size = 8
   c.drafter.learning_rate = 1e-3
   c.drafter.warmup_steps = 30
