@@ -12,14 +12,15 @@ over ``[prompt_len / 2, prompt_len]``, EOS on) in chunks of ``--batches`` rows, 
   prompts), so the choice never sees the prompts the speedup is reported on;
 
 greedy and at temperature 1. Each chunk's time is the best of ``--repeats`` (>= 2, so compilation is never
-timed); tokens/s = emitted tokens / summed chunk times. Greedy outputs are compared token for token with the
-target alone at the same batch size (``lemon_rl.sampling.compare_greedy``: rows that first differ where the
-target's top-two logits lie within ``--tie-gap`` are near-ties, counted; any other difference is a mismatch
-and fails the run). Also printed: the acceptance length ``tau`` (tokens per target forward, bonus included),
-per-position acceptance, the measured drafter / target decode-step cost ratio ``gamma`` and the speedup it
-implies, ``tau / (1 + K gamma)`` (a ``K+1``-token verification costed as one decode step), and the row use:
-a chunk's loop runs until its slowest row is done, so rows that accept more sit idle; row use = the rows'
-verification passes / (rows x the chunk's loop iterations), 1 for a single row.
+timed), the two decoders alternating chunk by chunk; tokens/s = emitted tokens / summed chunk times. Greedy
+outputs are compared token for token with the target alone at the same batch size
+(``lemon_rl.sampling.compare_greedy``: rows that first differ where the target's top-two logits lie within
+``--tie-gap`` are near-ties, counted; any other difference is a mismatch and fails the run). Also printed:
+the acceptance length ``tau`` (tokens per target forward, bonus included), per-position acceptance, the
+measured drafter / target decode-step cost ratio ``gamma`` and the speedup it implies, ``tau / (1 + K
+gamma)`` (a ``K+1``-token verification costed as one decode step), and the row use: rows that accept more
+finish first and sit idle until the engine halves the batch (when at most half of its rows are active);
+row use = the rows' verification passes / (rows x the chunk's most passes), 1 for a single row.
 
     python benchmarks/speculative.py --workdir runs/speculative [--num-prompts 100] [--batches 1,8] \
         [--num-draft 1,2,3,4]
@@ -66,20 +67,24 @@ def held_out_prompts(test_rows: np.ndarray, rows: np.ndarray, prompt_len: int, s
   return [test_rows[r, :n].tolist() for r, n in zip(rows, lengths)]
 
 
-def decode_in_chunks(fn, prompts, batch: int, repeats: int):
-  """``fn(chunk)`` over consecutive chunks of ``batch`` prompts: ``(outputs, seconds)``, where each chunk's
-  time is its best of ``repeats`` calls (the first call of a new shape compiles)."""
-  outputs, seconds = [], 0.0
+def decode_in_chunks(fns, prompts, batch: int, repeats: int):
+  """Each ``fn(chunk)`` of ``fns`` over consecutive chunks of ``batch`` prompts: a list of ``(outputs,
+  seconds)``, one per ``fn``, where each chunk's time is its best of ``repeats`` calls (the first call of a
+  new shape compiles). The calls alternate between the ``fns`` chunk by chunk, so a drift in the machine's
+  speed (other guests on the host) reaches all of them alike instead of biasing their ratio."""
+  results = [([], 0.0) for _ in fns]
   for lo in range(0, len(prompts), batch):
     chunk = prompts[lo:lo + batch]
-    times = []
+    times = [[] for _ in fns]
     for _ in range(repeats):
-      start = time.perf_counter()
-      out = fn(chunk)
-      times.append(time.perf_counter() - start)
-    outputs.append(out)
-    seconds += min(times)
-  return outputs, seconds
+      for i, fn in enumerate(fns):
+        start = time.perf_counter()
+        out = fn(chunk)
+        times[i].append(time.perf_counter() - start)
+        if len(times[i]) == 1:
+          results[i][0].append(out)
+    results = [(outs, seconds + min(t)) for (outs, seconds), t in zip(results, times)]
+  return results
 
 
 def main():
@@ -134,7 +139,7 @@ def main():
       return candidates[0]
     rates, notes = {}, []
     for k in candidates:
-      outs, seconds = decode_in_chunks(lambda c: speculative(c, k, 0), validation_prompts, b, args.repeats)
+      [(outs, seconds)] = decode_in_chunks([lambda c: speculative(c, k, 0)], validation_prompts, b, args.repeats)
       rates[k] = sum(int(o.lengths.sum()) for o in outs) / seconds
       iterations = sum(int(o.stats.target_forwards.max()) for o in outs)
       notes.append(f"K={k}: {rates[k]:.0f} tok/s, {seconds / iterations * 1e3:.1f} ms/iteration")
@@ -154,10 +159,9 @@ def main():
     times = decode_step_seconds(target, head, batch=b, context=args.prompt_len + args.new_tokens // 2)
     gamma = times["drafter_s"] / times["target_s"]
     for temperature in temperatures:
-      ref, ref_s = decode_in_chunks(
-          lambda c: generate(target, c, args.new_tokens, key, temperature=temperature, **common),
-          prompts, b, args.repeats)
-      spec, spec_s = decode_in_chunks(lambda c: speculative(c, k, temperature), prompts, b, args.repeats)
+      (ref, ref_s), (spec, spec_s) = decode_in_chunks(
+          [lambda c: generate(target, c, args.new_tokens, key, temperature=temperature, **common),
+           lambda c: speculative(c, k, temperature)], prompts, b, args.repeats)
       ref_tokens = sum(int(o.lengths.sum()) for o in ref)
       spec_tokens = sum(int(o.lengths.sum()) for o in spec)
       forwards = sum(int(o.stats.target_forwards.sum()) for o in spec)

@@ -134,7 +134,7 @@ def test_greedy_draft_equals_the_engines(data):
   ours = np.asarray(_draft(nnx.state(head), jnp.asarray(tokens[rows]), jnp.asarray(prefix_end), jax.random.key(0),
                            4, greedy=True)[0])[::4]
   # The engine: its jitted prefill of the (bucket-padded) prompts, then the drafter's first proposal after
-  # the pending token x_P, exactly as speculative._decode calls it.
+  # the pending token x_P, exactly as speculative._loop calls it.
   prompts = [tokens[r, :p].tolist() for r, p in zip(rows, prefix_end)]
   ids, mask = right_pad(prompts, 32, 0)
   num_slots = 32 + 8 + K

@@ -88,24 +88,38 @@ def greedy_reference(target):
   return eos, generate(target, PROMPTS, N, jax.random.key(0), temperature=0.0, eos_ids=eos)
 
 
+def _compaction_batches(target_forwards: np.ndarray) -> list[int]:
+  """The batch sizes a compacting decode ran at, from each row's number of active iterations: the loop
+  halves the batch whenever at most half of its rows are active (``speculative._run``)."""
+  batch, sizes = len(target_forwards), [len(target_forwards)]
+  for t in range(int(target_forwards.max()) + 1):
+    active = int((target_forwards > t).sum())  # rows active at iteration t
+    while 0 < active <= batch // 2:
+      batch //= 2
+      sizes.append(batch)
+  return sizes
+
+
 def test_greedy_equals_target_greedy_at_batch_8_and_1(target, drafters, greedy_reference):
-  speculative._decode.clear_cache()
+  speculative._loop.clear_cache()
   eos, ref = greedy_reference
   assert 0 < ref.finish_reasons.count("eos") < len(PROMPTS)
   assert any(r == "eos" and 1 < n < N for r, n in zip(ref.finish_reasons, ref.lengths))
-  ties = 0
-  outs = {}
+  ties, outs, shapes = 0, {}, set()
   for name, drafter in drafters.items():
     outs[name] = out = speculative_generate(target, drafter, PROMPTS, N, jax.random.key(5), num_draft=K,
                                             temperature=0.0, eos_ids=eos)
     ties += _count_ties_and_check(target, PROMPTS, out, ref)
+    shapes.update(_compaction_batches(out.stats.target_forwards))
     s = out.stats
     np.testing.assert_array_equal(s.drafted, K * s.target_forwards)
     np.testing.assert_array_equal(s.accepted, s.accepted_per_position.sum(axis=1))
     # Every verification emits accepted + 1 tokens, the last window possibly cut by EOS / the length.
     emitted = s.accepted + s.target_forwards
     assert np.all(out.lengths - 1 <= emitted) and np.all(emitted < out.lengths - 1 + K + 1)
-  assert speculative._decode._cache_size() == 1  # one compile for the three drafters and two EOS sets
+  # The rows finish at different iterations, so the batch was compacted (outputs checked above); one compile
+  # per batch size it ran at for the three drafters and two EOS sets.
+  assert len(shapes) > 2 and speculative._loop._cache_size() == len(shapes)
   assert ties == 0
   same = outs["identical"].stats
   np.testing.assert_array_equal(same.accepted, same.drafted)  # all accepted: tau = K + 1
@@ -197,7 +211,7 @@ def test_sampling_is_lossless_and_resampling_from_p_is_not(small_models):
   logits = _enumeration_logits(nnx.jit(type(target).__call__), target, SMALL_PROMPTS)
   starts = tuple(len(p) - 1 for p in SMALL_PROMPTS)
   alpha = 0.01 / (len(SETTINGS) * len(SMALL_PROMPTS))  # family-wise 1% (Bonferroni)
-  compiled = speculative._decode._cache_size()
+  compiled, shapes = speculative._loop._cache_size(), set()
   for s, (temperature, top_k, top_p) in enumerate(SETTINGS):
     exact = np.asarray(_exact_joints(logits, starts, temperature, top_k, top_p, window=WINDOW), np.float64)
     for residual in (True, False):  # one compiled loop: the flag is traced
@@ -205,6 +219,7 @@ def test_sampling_is_lossless_and_resampling_from_p_is_not(small_models):
                                  temperature=temperature, top_k=top_k, top_p=top_p, min_prompt_bucket=4,
                                  resample_from_residual=residual)
       assert (out.lengths == WINDOW).all()
+      shapes.update((top_k > 0 or top_p < 1, b) for b in _compaction_batches(out.stats.target_forwards))
       # q is far from p: the first draft is rejected in about half of the windows or more.
       assert out.stats.acceptance_rate_per_position[0] < 0.6
       for i in range(len(SMALL_PROMPTS)):
@@ -214,7 +229,9 @@ def test_sampling_is_lossless_and_resampling_from_p_is_not(small_models):
           assert p_value > alpha, f"lossless sampling rejected at {setting}: p={p_value:.2e}"
         else:
           assert p_value < alpha, f"the lossy variant passed at {setting}: p={p_value:.2e}"
-  assert speculative._decode._cache_size() == compiled + 2  # filtered or not; the rest is traced
+  # Temperature, top-k, top-p and the residual flag are traced: one compile per (filtered or not, batch size
+  # the compaction ran at).
+  assert speculative._loop._cache_size() == compiled + len(shapes)
 
 
 # -- rollback and log-probs ---------------------------------------------------------------------------

@@ -30,10 +30,15 @@ keeps the acceptance rate up). The first completion token is drawn from the targ
 ``generate`` (no draft for it).
 
 Invariant between iterations (row ``b`` with ``g`` emitted tokens ``y_1..y_g``): the target cache holds the
-prompt and ``y_1..y_{g-1}``; ``y_g`` is pending (the ``x`` of the next iteration). The whole decode is one
+prompt and ``y_1..y_{g-1}``; ``y_g`` is pending (the ``x`` of the next iteration). The decode is a
 ``jax.lax.while_loop`` inside one jitted call after a jitted prefill of both models, compiled once per
 (model graphs, batch, prompt bucket, max new tokens, ``K``, sampling mode, number of EOS ids); the
 temperature, top-k and top-p values are traced.
+
+Rows advance at different rates (each accepts as many drafts as it does), so a batch would run at full cost
+until its slowest row is done. Whenever at most half of the rows are still active the loop returns, and it
+continues on a batch of half the size holding them (one gather of every state; finished rows fill the rest),
+down to one row: ``log2 B`` more compiled loops, each row computing the same thing at any batch size.
 
 The drafter is anything implementing :class:`Drafter` (three methods on a pytree state, called inside the
 jitted loop). :class:`ModelDrafter` implements it for a plain ``Transformer`` sharing the target's
@@ -313,47 +318,79 @@ def verify(logits: jax.Array, drafts: jax.Array, q: jax.Array | None, key: jax.A
   return num_accepted, emitted, log_probs
 
 
-@functools.partial(jax.jit, donate_argnames=("cache", "draft_state"),
-                   static_argnames=("target_def", "drafter_def", "max_new_tokens", "num_draft", "greedy",
-                                    "filtering"))
-def _decode(target_def, target_vars, drafter_def, drafter_vars, cache: KVCache, draft_state, logits, rng,
-            temperature, top_k, top_p, eos_ids, pad_id, resample_from_residual, *, max_new_tokens, num_draft,
-            greedy, filtering):
-  """The speculative loop from prefilled states; ``logits [B, V]`` are the target's after each prompt.
+class _Carry(NamedTuple):
+  """The loop's state; every field but ``rng`` has the batch as its leading axis (rows can be taken)."""
 
-  Returns ``(tokens [B, N], log_probs [B, N], num_generated [B], hit_eos [B], stats, cache,
-  draft_state)`` with ``stats = (forwards, accepted, accepted_per_position)`` and the final states
-  (target cache = prompt + all emitted tokens but the last one).
+  last: jax.Array  # [B] each row's pending token
+  cache: KVCache
+  draft_state: Any
+  tokens: jax.Array  # [B, N]
+  log_probs: jax.Array  # [B, N]
+  generated: jax.Array  # [B]
+  hit_eos: jax.Array  # [B]
+  stats: tuple[jax.Array, jax.Array, jax.Array]  # forwards [B], accepted [B], accepted per position [B, K]
+  rng: jax.Array
+
+  @jax.jit
+  def take(self, rows: jax.Array) -> "_Carry":
+    """The carry of rows ``rows [B']`` (one compiled gather of every batch-leading leaf)."""
+    batched = jax.tree.map(lambda x: jnp.take(x, rows, axis=0), self._replace(rng=None))
+    return batched._replace(rng=self.rng)
+
+  def active(self) -> jax.Array:
+    return ~self.hit_eos & (self.generated < self.tokens.shape[1])
+
+
+def _is_eos(tokens: jax.Array, eos_ids: jax.Array) -> jax.Array:
+  return jnp.any(tokens[..., None] == eos_ids, axis=-1)
+
+
+def _static_sampling(temperature, top_k, top_p, greedy: bool, filtering: bool):
+  """The traced sampling parameters, with what is off made static: greedy decoding (``temperature`` the
+  Python 0, see :func:`draw`), or no top-k / top-p (no sort in the loop)."""
+  if greedy:
+    return 0.0, 0, 1.0
+  return (temperature, top_k, top_p) if filtering else (temperature, 0, 1.0)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache", "draft_state"),
+                   static_argnames=("max_new_tokens", "num_draft", "greedy", "filtering"))
+def _start(logits, cache: KVCache, draft_state, rng, temperature, top_k, top_p, eos_ids, pad_id, *,
+           max_new_tokens, num_draft, greedy, filtering) -> _Carry:
+  """The first completion token of each row, drawn from the target's prefill ``logits [B, V]``."""
+  batch = logits.shape[0]
+  rng, key = jax.random.split(rng)
+  first, first_logp = distribution.sample(logits, key, *_static_sampling(temperature, top_k, top_p, greedy,
+                                                                         filtering))
+  tokens = jnp.full((batch, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
+  log_probs = jnp.zeros((batch, max_new_tokens), jnp.float32).at[:, 0].set(first_logp)
+  zeros = jnp.zeros((batch,), jnp.int32)
+  return _Carry(first, cache, draft_state, tokens, log_probs, jnp.ones((batch,), jnp.int32), _is_eos(first, eos_ids),
+                (zeros, zeros, jnp.zeros((batch, num_draft), jnp.int32)), rng)
+
+
+@functools.partial(jax.jit, donate_argnames=("carry",),
+                   static_argnames=("target_def", "drafter_def", "num_draft", "greedy", "filtering", "stop_at"))
+def _loop(target_def, target_vars, drafter_def, drafter_vars, carry: _Carry, temperature, top_k, top_p, eos_ids,
+          resample_from_residual, *, num_draft, greedy, filtering, stop_at) -> _Carry:
+  """Speculative iterations until at most ``stop_at`` rows are active (``0``: until every row is done).
+
+  Between iterations the target cache holds prompt + all emitted tokens but the pending ``last``.
   """
   target, drafter = nnx.merge(target_def, target_vars), nnx.merge(drafter_def, drafter_vars)
-  batch, n, k = logits.shape[0], max_new_tokens, num_draft
-  if greedy:
-    temperature, top_k, top_p = 0.0, 0, 1.0
-  elif not filtering:
-    top_k, top_p = 0, 1.0  # statically off: no sort in the loop
+  batch, n = carry.tokens.shape
+  k = num_draft
+  temperature, top_k, top_p = _static_sampling(temperature, top_k, top_p, greedy, filtering)
   rows = jnp.arange(batch)[:, None]
   positions = jnp.arange(k + 1)
   layers = _feature_layers(drafter)
 
-  def is_eos(tokens):
-    return jnp.any(tokens[..., None] == eos_ids, axis=-1)
-
-  rng, key = jax.random.split(rng)
-  first, first_logp = distribution.sample(logits, key, temperature, top_k, top_p)
-  tokens = jnp.full((batch, n), pad_id, jnp.int32).at[:, 0].set(first)
-  log_probs = jnp.zeros((batch, n), jnp.float32).at[:, 0].set(first_logp)
-  generated = jnp.ones((batch,), jnp.int32)
-  hit_eos = is_eos(first)
-  zeros = jnp.zeros((batch,), jnp.int32)
-  stats = (zeros, zeros, jnp.zeros((batch, k), jnp.int32))
-
   def cond(carry):
-    generated, hit_eos = carry[4], carry[5]
-    return jnp.any(~hit_eos & (generated < n))
+    return jnp.sum(carry.active()) > stop_at
 
   def body(carry):
-    last, cache, draft_state, (tokens, log_probs), generated, hit_eos, stats, rng = carry
-    active = ~hit_eos & (generated < n)
+    last, cache, draft_state, tokens, log_probs, generated, hit_eos, stats, rng = carry
+    active = carry.active()
     rng, draft_key, verify_key = jax.random.split(rng, 3)
     drafts, q, draft_state = drafter.propose(draft_state, last, draft_key, k, temperature, top_k, top_p)
     window = jnp.concatenate([last[:, None], drafts], axis=1)
@@ -366,7 +403,7 @@ def _decode(target_def, target_vars, drafter_def, drafter_vars, cache: KVCache, 
     num_accepted, emitted, emitted_logp = verify(target_logits, drafts, q, verify_key, temperature, top_k,
                                                  top_p, resample_from_residual)
     # Keep the n + 1 emitted tokens up to the first EOS and the length limit; nothing for finished rows.
-    eos_here = is_eos(emitted) & (positions <= num_accepted[:, None])
+    eos_here = _is_eos(emitted, eos_ids) & (positions <= num_accepted[:, None])
     first_eos = jnp.where(jnp.any(eos_here, axis=1), jnp.argmax(eos_here, axis=1), k + 1)
     kept = jnp.minimum(jnp.minimum(num_accepted + 1, first_eos + 1), n - generated)
     kept = jnp.where(active, kept, 0)
@@ -384,18 +421,23 @@ def _decode(target_def, target_vars, drafter_def, drafter_vars, cache: KVCache, 
     forwards, accepted, per_position = stats
     stats = (forwards + active, accepted + jnp.where(active, num_accepted, 0),
              per_position + (active[:, None] & (positions[:k] < num_accepted[:, None])))
-    return last, cache, draft_state, (tokens, log_probs), generated + kept, hit_eos, stats, rng
+    return _Carry(last, cache, draft_state, tokens, log_probs, generated + kept, hit_eos, stats, rng)
 
-  carry = (first, cache, draft_state, (tokens, log_probs), generated, hit_eos, stats, rng)
-  _, cache, draft_state, (tokens, log_probs), generated, hit_eos, stats, _ = jax.lax.while_loop(
-      cond, body, carry)
-  return tokens, log_probs, generated, hit_eos, stats, cache, draft_state
+  return jax.lax.while_loop(cond, body, carry)
 
 
 def _run(target: Transformer, drafter: Transformer | Drafter, prompts: Sequence[Sequence[int]],
          max_new_tokens: int, rng: jax.Array, num_draft: int, temperature: float, top_k: int, top_p: float,
-         eos_ids, pad_id: int, min_prompt_bucket: int, resample_from_residual: bool):
-  """:func:`speculative_generate` returning the raw device outputs and the final states."""
+         eos_ids, pad_id: int, min_prompt_bucket: int, resample_from_residual: bool, compact: bool = False):
+  """:func:`speculative_generate`'s decoding; returns ``(tokens, log_probs, num_generated, hit_eos, stats,
+  cache, draft_state)``, the per-row outputs (``[B, ...]`` numpy) and the final states of both models.
+
+  ``compact``: whenever at most half of the rows are still active, continue with a batch of half the size
+  holding them (``_Carry.take``; finished rows fill the rest), down to one row. Each row computes the same
+  thing at any batch size (up to the rounding of batch-size-dependent matmul kernels), and the batch no
+  longer waits at full cost for its slowest rows. The returned states are then those of the last batch
+  (rows in no particular order), so callers that inspect them pass ``compact=False``.
+  """
   if not prompts or any(len(p) == 0 for p in prompts):
     raise ValueError("speculative_generate needs at least one prompt and every prompt needs at least one token")
   if max_new_tokens < 1:
@@ -418,11 +460,30 @@ def _run(target: Transformer, drafter: Transformer | Drafter, prompts: Sequence[
   logits, cache, draft_state = _prefill(target_def, target_vars, drafter_def, drafter_vars, jnp.asarray(ids),
                                         jnp.asarray(mask), num_slots=num_slots, num_draft=num_draft)
   greedy = temperature == 0
-  return _decode(target_def, target_vars, drafter_def, drafter_vars, cache, draft_state, logits, rng,
-                 jnp.float32(max(temperature, 1e-6)), jnp.int32(top_k), jnp.float32(top_p),
-                 jnp.asarray(eos_array(eos_ids)), jnp.int32(pad_id), jnp.bool_(resample_from_residual),
-                 max_new_tokens=max_new_tokens, num_draft=num_draft, greedy=greedy,
-                 filtering=not greedy and (top_k > 0 or top_p < 1))
+  filtering = not greedy and (top_k > 0 or top_p < 1)
+  sampling = (jnp.float32(max(temperature, 1e-6)), jnp.int32(top_k), jnp.float32(top_p))
+  eos = jnp.asarray(eos_array(eos_ids))
+  carry = _start(logits, cache, draft_state, rng, *sampling, eos, jnp.int32(pad_id), max_new_tokens=max_new_tokens,
+                 num_draft=num_draft, greedy=greedy, filtering=filtering)
+  rows = np.arange(len(prompts))  # the prompt of each row of the current batch
+  outputs = None
+  while True:
+    stop_at = len(rows) // 2 if compact else 0
+    carry = _loop(target_def, target_vars, drafter_def, drafter_vars, carry, *sampling, eos,
+                  jnp.bool_(resample_from_residual), num_draft=num_draft, greedy=greedy, filtering=filtering,
+                  stop_at=stop_at)
+    part, active = jax.device_get(((carry.tokens, carry.log_probs, carry.generated, carry.hit_eos, carry.stats),
+                                   carry.active()))
+    if outputs is None:
+      outputs = jax.tree.map(np.array, part)
+    else:
+      for full, new in zip(jax.tree.leaves(outputs), jax.tree.leaves(part)):
+        full[rows] = new
+    if stop_at == 0 or not active.any():
+      return (*outputs, carry.cache, carry.draft_state)
+    # The active rows, then finished ones to fill half the batch (they stay finished).
+    keep = np.concatenate([np.flatnonzero(active), np.flatnonzero(~active)])[:len(rows) // 2]
+    carry, rows = carry.take(keep), rows[keep]
 
 
 def speculative_generate(target: Transformer, drafter: Transformer | Drafter, prompts: Sequence[Sequence[int]],
@@ -454,9 +515,7 @@ def speculative_generate(target: Transformer, drafter: Transformer | Drafter, pr
   """
   tokens, log_probs, lengths, hit_eos, (forwards, accepted, per_position), _, _ = _run(
       target, drafter, prompts, max_new_tokens, rng, num_draft, temperature, top_k, top_p, eos_ids, pad_id,
-      min_prompt_bucket, resample_from_residual)
-  tokens, log_probs, lengths, hit_eos, forwards, accepted, per_position = jax.device_get(
-      (tokens, log_probs, lengths, hit_eos, forwards, accepted, per_position))
+      min_prompt_bucket, resample_from_residual, compact=True)
   lengths = lengths.astype(np.int32)
   mask = (np.arange(max_new_tokens)[None] < lengths[:, None]).astype(np.int32)
   with np.errstate(invalid="ignore", divide="ignore"):

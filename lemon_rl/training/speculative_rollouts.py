@@ -623,9 +623,10 @@ class SpeculativeRollouts:
 
 
 def _compile_count(*functions) -> int | None:
-  """Compiled variants of jitted ``functions`` (default: the engine's prefill and loop); ``None`` where jax
+  """Compiled variants of jitted ``functions`` (default: the engine's jitted parts); ``None`` where jax
   does not expose it."""
-  functions = functions or (speculative._prefill, speculative._decode)  # pylint: disable=protected-access
+  # pylint: disable=protected-access
+  functions = functions or (speculative._prefill, speculative._start, speculative._loop, speculative._Carry.take)
   try:
     return sum(f._cache_size() for f in functions)  # pylint: disable=protected-access
   except AttributeError:
