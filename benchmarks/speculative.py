@@ -9,7 +9,8 @@ over ``[prompt_len / 2, prompt_len]``, EOS on) in chunks of ``--batches`` rows, 
 * speculative: ``lemon_rl.sampling.speculative_generate`` with ``EagleDrafter`` and ``K = --num-draft``;
   with several candidates (``--num-draft 1,2,3,4``), ``K`` is chosen per batch size as the one with the most
   greedy speculative tokens/s on ``--validation-prompts`` other held-out rows (disjoint from the measured
-  prompts), so the choice never sees the prompts the speedup is reported on;
+  prompts; the candidates alternate chunk by chunk), so the choice never sees the prompts the speedup is
+  reported on;
 
 greedy and at temperature 1. Each chunk's time is the best of ``--repeats`` (>= 2, so compilation is never
 timed), the two decoders alternating chunk by chunk; tokens/s = emitted tokens / summed chunk times. Greedy
@@ -138,8 +139,9 @@ def main():
     if len(candidates) == 1:
       return candidates[0]
     rates, notes = {}, []
-    for k in candidates:
-      [(outs, seconds)] = decode_in_chunks([lambda c: speculative(c, k, 0)], validation_prompts, b, args.repeats)
+    runs = decode_in_chunks([lambda c, k=k: speculative(c, k, 0) for k in candidates], validation_prompts, b,
+                            args.repeats)
+    for k, (outs, seconds) in zip(candidates, runs):
       rates[k] = sum(int(o.lengths.sum()) for o in outs) / seconds
       iterations = sum(int(o.stats.target_forwards.max()) for o in outs)
       notes.append(f"K={k}: {rates[k]:.0f} tok/s, {seconds / iterations * 1e3:.1f} ms/iteration")

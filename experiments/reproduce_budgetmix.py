@@ -66,7 +66,8 @@ flags.DEFINE_string("workdir", None, "Root directory; one sub-directory per seed
 flags.DEFINE_string("seeds", "0,1,2,3,4", "Comma-separated seeds.")
 flags.DEFINE_string("arms", "base,grpo_full,grpo_budgetmix,gigpo_full,gigpo_budgetmix",
                     "Comma-separated arms: base first, then <grpo|gigpo|ppo>_<full|budgetmix>.")
-flags.DEFINE_string("results_file", report.RESULTS_FILE, "Where the results JSON goes (relative to the repo).")
+flags.DEFINE_string("results_file", report.RESULTS_FILE,
+                    "Where the results JSON goes (absolute, or relative to the repository).")
 flags.DEFINE_float("family_alpha", 0.05, "Familywise error rate of the claimed directions (Holm).")
 flags.DEFINE_bool("headroom_only", False, "Sizing loop: per seed only the base SFT and the headroom gate (no test "
                   "evaluation, no RL); prints the gate's statistics and writes no results file.")
@@ -242,13 +243,6 @@ def setup_record(config, arms: Sequence[str]) -> dict[str, Any]:
           "arms": list(arms)}
 
 
-def save(saved: Mapping[str, Any]) -> None:
-  path = os.path.join(results_md.ROOT, FLAGS.results_file)
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  with open(path, "w") as f:
-    json.dump(saved, f, indent=1)
-
-
 def main(argv):
   del argv
   config = FLAGS.config
@@ -282,21 +276,19 @@ def main(argv):
         break
       if "stopped" in record:
         saved["stopped"] = f"seed {seed}: {record['stopped']}"
-        save(saved)
+        results_md.save_results(saved, FLAGS.results_file)
         sys.exit(saved["stopped"])
       entry["arms"][arm] = record
-      save(saved)
+      results_md.save_results(saved, FLAGS.results_file)
     if FLAGS.headroom_only:
       continue
     for split in config.final_eval.splits:
       for arm, q in matched_quality(dirs, split).items():
         entry["arms"][arm]["final"][split]["matched_quality"] = {"full": q}
-    save(saved)
+    results_md.save_results(saved, FLAGS.results_file)
   if FLAGS.headroom_only:
     return
-  if FLAGS.results_file == report.RESULTS_FILE:
-    results_md.main([])
-  print(report.render(saved))
+  print(results_md.write_results(saved, FLAGS.results_file, report))
 
 
 if __name__ == "__main__":

@@ -210,12 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   total_s = args.total_seconds if args.report_only and args.total_seconds else time.time() - t0
   saved = {"results": results, "seeds": seeds, "command": command.strip(), "overrides": args.overrides,
            "total_s": total_s}
-  os.makedirs(os.path.dirname(args.results_file), exist_ok=True)
-  with open(args.results_file, "w") as f:
-    json.dump(saved, f, indent=1)
-  if os.path.abspath(args.results_file) == os.path.join(ROOT, report.RESULTS_FILE):
-    results_md.main([])
-  print(report.render(saved))
+  print(results_md.write_results(saved, args.results_file, report))
   print(f"wrote {args.results_file} and {', '.join(plots)}")
   return 0
 

@@ -149,9 +149,7 @@ def save(results, skipped, command, config, elapsed_s, done: bool) -> dict[str, 
   """Writes ``<results_dir>/results.json``, the curves and (for the committed location) RESULTS.md."""
   saved = {"results": results, "skipped": skipped, "command": command, "elapsed_s": elapsed_s, "done": done,
            "setup": setup_facts(config)}
-  os.makedirs(FLAGS.results_dir, exist_ok=True)
-  with open(os.path.join(FLAGS.results_dir, "results.json"), "w") as f:
-    json.dump(saved, f, indent=1)
+  results_md.save_results(saved, os.path.join(FLAGS.results_dir, "results.json"))
   report.plot(saved, os.path.join(FLAGS.results_dir, "curves.png"))
   if FLAGS.write_results:
     results_md.main([])

@@ -10,7 +10,6 @@ go to ``experiments/results/grpo_arithmetic/results.json`` (committed), the plot
 :mod:`experiments.reports.grpo_arithmetic`).
 """
 
-import json
 import os
 import shlex
 import shutil
@@ -29,7 +28,8 @@ from lemon_rl.training.metrics import read_records
 flags.DEFINE_string("workdir", None, "Root directory; one sub-directory per seed.")
 flags.DEFINE_string("seeds", "0,1,2,3,4", "Comma-separated seeds.")
 flags.DEFINE_string("variant", "cpu", "Config variant of the GRPO arm (the control is <variant>_sft_control).")
-flags.DEFINE_string("results_file", report.RESULTS_FILE, "Where the results JSON goes (relative to the repo).")
+flags.DEFINE_string("results_file", report.RESULTS_FILE,
+                    "Where the results JSON goes (absolute, or relative to the repository).")
 flags.DEFINE_float("family_alpha", 0.05, "Familywise error rate of the claimed directions (Holm).")
 flags.mark_flag_as_required("workdir")
 FLAGS = flags.FLAGS
@@ -81,14 +81,10 @@ def main(argv):
     more_sft = run_arm(control, os.path.join(root, "sft_control"))
     saved["seeds"].append({"seed": seed, "grpo": arm_record(os.path.join(root, "grpo"), config.phases, grpo),
                            "sft_control": arm_record(os.path.join(root, "sft_control"), control.phases, more_sft)})
-    path = os.path.join(results_md.ROOT, FLAGS.results_file)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-      json.dump(saved, f, indent=1)
-  if FLAGS.results_file == report.RESULTS_FILE:
+    results_md.save_results(saved, FLAGS.results_file)
+  if results_md.is_committed(FLAGS.results_file, report):
     report.plot(saved, os.path.join(results_md.ROOT, report.PLOT_FILE))
-    results_md.main([])
-  print(report.render(saved))
+  print(results_md.write_results(saved, FLAGS.results_file, report))
 
 
 if __name__ == "__main__":

@@ -48,7 +48,8 @@ flags.DEFINE_string("arms", ",".join(report.ARMS), "Comma-separated arms (sft_on
 flags.DEFINE_string("workers_dir", "", "Trained worker models ('' = <workdir>/workers).")
 flags.DEFINE_bool("train_workers_only", False, "Train (or re-score) the worker models and stop.")
 flags.DEFINE_integer("step0_examples", 100, "Validation problems of the step-0 check (G specs each).")
-flags.DEFINE_string("results_file", report.RESULTS_FILE, "Where the results JSON goes (relative to the repo).")
+flags.DEFINE_string("results_file", report.RESULTS_FILE,
+                    "Where the results JSON goes (absolute, or relative to the repository).")
 flags.DEFINE_float("family_alpha", 0.05, "Familywise error rate of the claimed directions (Holm).")
 flags.mark_flag_as_required("workdir")
 FLAGS = flags.FLAGS
@@ -138,14 +139,10 @@ def main(argv):
     print(json.dumps(saved["workers"], indent=1) if saved["workers"] else
           f"variant {FLAGS.variant!r} uses programmatic workers: nothing to train")
     return
-  path = FLAGS.results_file if os.path.isabs(FLAGS.results_file) else os.path.join(results_md.ROOT,
-                                                                                     FLAGS.results_file)
 
   def save():
     saved["elapsed_s"] = time.time() - t_start
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-      json.dump(saved, f, indent=1)
+    path = results_md.save_results(saved, FLAGS.results_file)
     report.plot(saved, os.path.join(os.path.dirname(path), "curves.png"))
 
   for seed in seeds:
@@ -184,9 +181,7 @@ def main(argv):
       save()
   saved["done"] = True
   save()
-  if not os.path.isabs(FLAGS.results_file) and FLAGS.results_file == report.RESULTS_FILE:
-    results_md.main([])
-  print(report.render(saved))
+  print(results_md.write_results(saved, FLAGS.results_file, report))
 
 
 if __name__ == "__main__":

@@ -71,7 +71,8 @@ flags.DEFINE_string("ppow_lrs", "3e-5,1e-4", "Learning-rate trials of every PPOW
 flags.DEFINE_string("control_lrs", "1e-4,3e-4", "Learning-rate trials of the control (as many as ppow_lrs).")
 flags.DEFINE_string("size", "cpu", "configs/ppow_drafter.py size: cpu or tiny.")
 flags.DEFINE_integer("calibration_steps", 3, "Timed steps of each kind for the compute matching.")
-flags.DEFINE_string("results_file", report.RESULTS_FILE, "Where the results JSON goes (relative to the repo).")
+flags.DEFINE_string("results_file", report.RESULTS_FILE,
+                    "Where the results JSON goes (absolute, or relative to the repository).")
 flags.DEFINE_float("family_alpha", 0.05, "Familywise error rate of the claimed directions (Holm).")
 flags.mark_flags_as_required(["workdir", "init_from"])
 FLAGS = flags.FLAGS

@@ -59,7 +59,8 @@ flags.DEFINE_string("seeds", "0,1,2", "Comma-separated seeds.")
 flags.DEFINE_string("arms", "plain,speculative,cost_model", "Comma-separated arms (configs/speculative_grpo.py).")
 flags.DEFINE_integer("steps", 0, "GRPO steps per run (0 = the config's rl.steps).")
 flags.DEFINE_string("size", "cpu", "configs/speculative_grpo.py size: cpu or tiny.")
-flags.DEFINE_string("results_file", report.RESULTS_FILE, "Where the results JSON goes (relative to the repo).")
+flags.DEFINE_string("results_file", report.RESULTS_FILE,
+                    "Where the results JSON goes (absolute, or relative to the repository).")
 flags.mark_flags_as_required(["workdir", "init_from"])
 FLAGS = flags.FLAGS
 

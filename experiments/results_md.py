@@ -4,11 +4,13 @@ r"""``experiments/RESULTS.md``, rendered from committed result files and nothing
     python -m experiments.results_md --check  # exit 1 if experiments/RESULTS.md is not what the files give
 
 Each section belongs to one report module in :mod:`experiments.reports` (``TITLE``, ``RESULTS_FILE``, the
-``COMMAND`` that produces it, ``render(saved) -> str``, optionally ``MISSING``: what to say while its file is absent); the reproduction script writes ``RESULTS_FILE`` (JSON
-under ``experiments/results/``, committed) and then runs :func:`main` (the whole file is regenerated). A section whose file is absent
-says so and names the command. A hand-written reading lives next to the result file as ``reading.md`` and is
-appended under a heading that says so; it cites the tables and adds no numbers (``tests/test_results_md.py``
-refuses decimals and percentages in it).
+``COMMAND`` that produces it, ``render(saved) -> str``, optionally ``MISSING``: what to say while its file is
+absent). The reproduction script saves its results with :func:`save_results` (JSON under
+``experiments/results/``, committed) and finishes with :func:`write_results`, which regenerates the whole
+file when the results went to ``RESULTS_FILE``. A section whose file is absent says so and names the
+command. A hand-written reading lives next to the result file as ``reading.md`` and is appended under a
+heading that says so; it cites the tables and adds no numbers (``tests/test_results_md.py`` refuses
+decimals and percentages in it).
 """
 
 from __future__ import annotations
@@ -63,14 +65,30 @@ def render_all(modules: Sequence[str] = REPORTS) -> str:
   return HEADER + "".join("\n" + render_section(m) for m in modules)
 
 
-def write_results(saved, results_file: str, report) -> str:
-  """Writes a reproduction's ``saved`` results to ``results_file`` (relative to the repository), regenerates
-  ``RESULTS.md`` when that is ``report.RESULTS_FILE`` (not for a scratch file) and returns the rendered section."""
-  path = os.path.join(ROOT, results_file)
+def _absolute(results_file: str) -> str:
+  return os.path.abspath(results_file if os.path.isabs(results_file) else os.path.join(ROOT, results_file))
+
+
+def save_results(saved, results_file: str) -> str:
+  """Writes a reproduction's ``saved`` results as JSON to ``results_file`` (absolute, or relative to the
+  repository), after every unit of work for long runs; returns the absolute path."""
+  path = _absolute(results_file)
   os.makedirs(os.path.dirname(path), exist_ok=True)
   with open(path, "w") as f:
     json.dump(saved, f, indent=1)
-  if results_file == report.RESULTS_FILE:
+  return path
+
+
+def is_committed(results_file: str, report) -> bool:
+  """Whether ``results_file`` is ``report.RESULTS_FILE`` (a scratch file regenerates nothing)."""
+  return _absolute(results_file) == _absolute(report.RESULTS_FILE)
+
+
+def write_results(saved, results_file: str, report) -> str:
+  """:func:`save_results`, then ``RESULTS.md`` regenerated when ``results_file`` is the committed one; returns
+  the rendered section."""
+  save_results(saved, results_file)
+  if is_committed(results_file, report):
     main([])
   return report.render(saved)
 

@@ -1,5 +1,6 @@
 """experiments/RESULTS.md is exactly what the committed result files give, and readings add no numbers."""
 
+import json
 import os
 import re
 
@@ -12,6 +13,15 @@ from experiments.reports import grpo_arithmetic
 def test_results_md_is_regenerated_from_committed_result_files():
   with open(results_md.RESULTS) as f:
     assert f.read() == results_md.render_all(), "run: python -m experiments.results_md"
+
+
+def test_results_go_where_asked_and_only_the_committed_file_regenerates_results_md(tmp_path):
+  scratch = results_md.save_results({"seeds": [0]}, str(tmp_path / "new" / "results.json"))
+  assert json.load(open(scratch)) == {"seeds": [0]}
+  assert not results_md.is_committed(scratch, grpo_arithmetic)
+  committed = grpo_arithmetic.RESULTS_FILE
+  assert results_md.is_committed(committed, grpo_arithmetic)
+  assert results_md.is_committed(os.path.join(results_md.ROOT, committed), grpo_arithmetic)
 
 
 @pytest.mark.parametrize("module", results_md.REPORTS)

@@ -116,7 +116,6 @@ def render(saved: Mapping[str, Any]) -> str:
                 f"{format_mean_ci([r['final']['hard/line_accuracy'] for r in rs], 2)} | "
                 f"{format_mean_ci(greedy) if greedy else '-'} | {rs[0]['rl_steps']} | {np.mean(walls):.0f} |")
   main = setup["main_shots"]
-  a = f"hard/avg@{k}"
   lines = [
       f"Command: `{saved['command']}` (2-core CPU shared with other jobs; {saved['elapsed_s'] / 60:.0f} min wall "
       f"for this command{'' if saved['done'] else ', PARTIAL: still running or stopped early'}).",
