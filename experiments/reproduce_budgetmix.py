@@ -288,7 +288,7 @@ def main(argv):
     results_md.save_results(saved, FLAGS.results_file)
   if FLAGS.headroom_only:
     return
-  print(results_md.write_results(saved, FLAGS.results_file, report))
+  print(results_md.publish(saved, FLAGS.results_file, report))
 
 
 if __name__ == "__main__":

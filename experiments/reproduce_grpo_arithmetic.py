@@ -84,7 +84,7 @@ def main(argv):
     results_md.save_results(saved, FLAGS.results_file)
   if results_md.is_committed(FLAGS.results_file, report):
     report.plot(saved, os.path.join(results_md.ROOT, report.PLOT_FILE))
-  print(results_md.write_results(saved, FLAGS.results_file, report))
+  print(results_md.publish(saved, FLAGS.results_file, report))
 
 
 if __name__ == "__main__":

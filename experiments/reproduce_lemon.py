@@ -181,7 +181,7 @@ def main(argv):
       save()
   saved["done"] = True
   save()
-  print(results_md.write_results(saved, FLAGS.results_file, report))
+  print(results_md.publish(saved, FLAGS.results_file, report))
 
 
 if __name__ == "__main__":

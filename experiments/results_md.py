@@ -6,11 +6,11 @@ r"""``experiments/RESULTS.md``, rendered from committed result files and nothing
 Each section belongs to one report module in :mod:`experiments.reports` (``TITLE``, ``RESULTS_FILE``, the
 ``COMMAND`` that produces it, ``render(saved) -> str``, optionally ``MISSING``: what to say while its file is
 absent). The reproduction script saves its results with :func:`save_results` (JSON under
-``experiments/results/``, committed) and finishes with :func:`write_results`, which regenerates the whole
-file when the results went to ``RESULTS_FILE``. A section whose file is absent says so and names the
-command. A hand-written reading lives next to the result file as ``reading.md`` and is appended under a
-heading that says so; it cites the tables and adds no numbers (``tests/test_results_md.py`` refuses
-decimals and percentages in it).
+``experiments/results/``, committed) and finishes with :func:`publish` (or does both at once with
+:func:`write_results`), which regenerates the whole file when the results went to ``RESULTS_FILE``. A
+section whose file is absent says so and names the command. A hand-written reading lives next to the result
+file as ``reading.md`` and is appended under a heading that says so; it cites the tables and adds no numbers
+(``tests/test_results_md.py`` refuses decimals and percentages in it).
 """
 
 from __future__ import annotations
@@ -84,13 +84,18 @@ def is_committed(results_file: str, report) -> bool:
   return _absolute(results_file) == _absolute(report.RESULTS_FILE)
 
 
-def write_results(saved, results_file: str, report) -> str:
-  """:func:`save_results`, then ``RESULTS.md`` regenerated when ``results_file`` is the committed one; returns
-  the rendered section."""
-  save_results(saved, results_file)
+def publish(saved, results_file: str, report) -> str:
+  """Regenerates ``RESULTS.md`` when ``results_file`` (already saved) is the committed one; returns the
+  rendered section."""
   if is_committed(results_file, report):
     main([])
   return report.render(saved)
+
+
+def write_results(saved, results_file: str, report) -> str:
+  """:func:`save_results`, then :func:`publish`."""
+  save_results(saved, results_file)
+  return publish(saved, results_file, report)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

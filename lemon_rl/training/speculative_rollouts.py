@@ -628,7 +628,7 @@ def _compile_count(*functions) -> int | None:
   # pylint: disable=protected-access
   functions = functions or (speculative._prefill, speculative._start, speculative._loop, speculative._Carry.take)
   try:
-    return sum(f._cache_size() for f in functions)  # pylint: disable=protected-access
+    return sum(f._cache_size() for f in functions)
   except AttributeError:
     return None
 
