@@ -234,8 +234,8 @@ def _check_drafter_state(target, head, state, tokens, lengths):
   for i, seq in enumerate(seqs):
     n, cached = int(state.num_pending[i]), int(state.cache.lengths[i])
     assert cached + n == len(seq) - 1 and 1 <= n <= K + 1
-    for got, want in ((state.cache.keys[0], ref.keys[0]), (state.cache.values[0], ref.values[0])):
-      np.testing.assert_allclose(got[i, :, :cached], want[i, :, :cached], atol=ATOL)
+    np.testing.assert_allclose(state.cache.keys[0][i, ..., :cached], ref.keys[0][i, ..., :cached], atol=ATOL)
+    np.testing.assert_allclose(state.cache.values[0][i, :, :cached], ref.values[0][i, :, :cached], atol=ATOL)
     np.testing.assert_allclose(state.features[i, :n], fused[i, cached:cached + n], atol=ATOL)
     np.testing.assert_array_equal(state.tokens[i, :n - 1], seq[cached + 1:cached + n])
 

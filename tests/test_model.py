@@ -50,7 +50,8 @@ def test_grouped_attention_matches_repeated_kv_reference():
   keys = rng.normal(size=(b, k, t, d)).astype(np.float32)
   values = rng.normal(size=(b, k, t, d)).astype(np.float32)
   allowed = np.tril(np.ones((t, t), bool))[None].repeat(b, 0)
-  ours = np.asarray(grouped_attention(jnp.asarray(q), jnp.asarray(keys), jnp.asarray(values), jnp.asarray(allowed)))
+  ours = np.asarray(grouped_attention(jnp.asarray(q), jnp.asarray(keys.transpose(0, 1, 3, 2)), jnp.asarray(values),
+                                     jnp.asarray(allowed)))  # keys slots-last, as the cache stores them
   kr, vr = np.repeat(keys, h // k, axis=1), np.repeat(values, h // k, axis=1)  # head h reads kv head h // G
   scores = np.einsum("bthd,bhsd->bhts", q, kr) / np.sqrt(d)
   scores = np.where(allowed[:, None], scores, -np.inf)
@@ -115,9 +116,9 @@ def small_model():
 
 
 def _valid(cache, row, layer=0):
-  """Row ``row``'s valid keys and values of one layer: ``[K, length, D]`` each."""
+  """Row ``row``'s valid keys and values of one layer: ``[K, length, D]`` each (keys are stored slots-last)."""
   n = int(cache.lengths[row])
-  return np.asarray(cache.keys[layer][row, :, :n]), np.asarray(cache.values[layer][row, :, :n])
+  return np.asarray(cache.keys[layer][row, :, :, :n]).transpose(0, 2, 1), np.asarray(cache.values[layer][row, :, :n])
 
 
 def test_prefill_and_extend_match_the_full_forward(small_model):
@@ -240,7 +241,7 @@ def test_causal_attention_matches_grouped_attention_with_gradients(t, block_size
   # Everything jitted: causal_attention unrolls a Python loop over blocks, which op-by-op would dispatch (and
   # compile) primitive by primitive.
   ours = jax.jit(lambda q, kk, vv: causal_attention(q, kk, vv, jnp.asarray(mask), block_size=block_size))
-  ref = jax.jit(lambda q, kk, vv: grouped_attention(q, kk, vv, allowed))
+  ref = jax.jit(lambda q, kk, vv: grouped_attention(q, kk.transpose(0, 1, 3, 2), vv, allowed))
   np.testing.assert_allclose(ours(q, keys, values) * has_key, ref(q, keys, values) * has_key, atol=1e-5)
   g_ours = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2)))(q, keys, values)
   g_ref = jax.jit(jax.grad(loss(ref), argnums=(0, 1, 2)))(q, keys, values)

@@ -264,9 +264,10 @@ def test_caches_after_rollback_equal_a_run_over_the_accepted_prefix(target, draf
   # different query counts): float32 sums in another order. Keys/values are O(1); each of the 2 layers
   # adds relative rounding of about sqrt(E) * eps ~ 1e-6 per matmul (a few in sequence), so 2e-5 absolute
   # is a margin of several times (measured: 2.4e-6), and a wrong slot or a stale token is off by O(0.1).
+  slots_second = lambda c: tuple(np.swapaxes(k, 2, 3) for k in c.keys) + c.values  # keys are stored slots-last
   for got, want, seqs in ((cache, ref_target, target_seqs), (draft_state.cache, ref_draft, draft_seqs)):
     np.testing.assert_array_equal(got.lengths, [len(s) for s in seqs])
-    for layer_got, layer_want in zip(got.keys + got.values, want.keys + want.values):
+    for layer_got, layer_want in zip(slots_second(got), slots_second(want)):
       for i, s in enumerate(seqs):
         np.testing.assert_allclose(layer_got[i, :, :len(s)], layer_want[i, :, :len(s)], atol=2e-5, rtol=0)
 

@@ -43,8 +43,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lemon_rl.models.config import ModelConfig
-from lemon_rl.models.transformer import (KVCache, Transformer, causal_attention, grouped_attention, init_param,
-                                         rms_norm, rope_inverse_frequencies, rope_tables, rotate, write_rows)
+from lemon_rl.models.transformer import (KVCache, Transformer, cache_keys, cache_values, causal_attention,
+                                         grouped_attention, init_param, rms_norm, rope_inverse_frequencies,
+                                         rope_tables, rotate, write_rows)
 from lemon_rl.sampling.speculative import draw
 
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -148,8 +149,9 @@ class EagleHead(nnx.Module):
   def init_cache(self, batch: int, num_slots: int) -> KVCache:
     """An empty one-layer cache of ``num_slots`` slots per row."""
     cfg = self.cfg
-    zeros = jnp.zeros((batch, cfg.num_kv_heads, num_slots, cfg.head_dim), cfg.jnp_dtype)
-    return KVCache((zeros,), (zeros,), jnp.zeros((batch,), jnp.int32))
+    return KVCache((jnp.zeros((batch, cfg.num_kv_heads, cfg.head_dim, num_slots), cfg.jnp_dtype),),
+                   (jnp.zeros((batch, cfg.num_kv_heads, num_slots, cfg.head_dim), cfg.jnp_dtype),),
+                   jnp.zeros((batch,), jnp.int32))
 
   def prefill(self, hidden: jax.Array, embeds: jax.Array, lengths: jax.Array, num_slots: int):
     """Runs entries ``[0, lengths)`` (causal) and writes them into cache slots ``[0, lengths)``.
@@ -172,8 +174,7 @@ class EagleHead(nnx.Module):
     q, k, v = self._qkv(embeds.reshape(b * p, -1), hidden.reshape(b * p, -1), b, rope)
     k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     out = self._finish(hidden.reshape(b * p, -1), causal_attention(q, k, v, mask).reshape(b * p, -1))
-    pad = ((0, 0), (0, 0), (0, num_slots - p), (0, 0))
-    return out.reshape(b, p, -1), KVCache((jnp.pad(k, pad),), (jnp.pad(v, pad),), lengths)
+    return out.reshape(b, p, -1), KVCache((cache_keys(k, num_slots),), (cache_values(v, num_slots),), lengths)
 
   def extend(self, hidden: jax.Array, embeds: jax.Array, cache: KVCache, num_new: jax.Array | None = None):
     """Appends ``k`` entries per row (slots ``[lengths, lengths + k)``), as ``Transformer.extend``.
@@ -193,7 +194,7 @@ class EagleHead(nnx.Module):
     positions = start[:, None] + jnp.arange(k, dtype=jnp.int32)
     allowed = jnp.arange(s, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
     q, new_k, new_v = self._qkv(embeds.reshape(b * k, -1), hidden.reshape(b * k, -1), b, self._rope(positions))
-    keys = write_rows(cache.keys[0], new_k.transpose(0, 2, 1, 3), start)
+    keys = write_rows(cache.keys[0], new_k.transpose(0, 2, 3, 1), start, slot_axis=3)
     values = write_rows(cache.values[0], new_v.transpose(0, 2, 1, 3), start)
     out = self._finish(hidden.reshape(b * k, -1), grouped_attention(q, keys, values, allowed).reshape(b * k, -1))
     added = k if num_new is None else jnp.clip(jnp.asarray(num_new, jnp.int32), 0, k)

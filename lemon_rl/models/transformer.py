@@ -5,9 +5,12 @@ Layout choices (measured on XLA:CPU, see ``shared/DESIGN.md``): every projection
 gate/up another (``[E, F, 2]``), laid out so that a tensor-parallel split never crosses the q | k | v or
 gate | up boundaries (:func:`group_qkv`), and the output projection ``[H, D, E]`` splits on whole heads (each
 weight is reshaped to 2-D for its matmul: a merge that keeps the split major axis); the KV cache is
-``[B, K, S, D]`` with a length per row (each row left-aligned at slot 0, appended to by one scatter per
-layer buffer; as fast as the former same-slot ``dynamic_update_slice`` at batch 8 and 32 within this
-machine's noise) and grouped-query attention is one batched matmul per (batch, KV head). Full-sequence
+keys ``[B, K, D, S]`` and values ``[B, K, S, D]`` with a length per row (each row left-aligned at slot 0,
+appended to by one scatter per layer buffer; as fast as the former same-slot ``dynamic_update_slice`` at
+batch 8 and 32 within this machine's noise) and grouped-query attention is one batched matmul per (batch, KV
+head) for the scores and one for the output, both with the slots as the major-to-minor last contracted or
+produced axis: keys stored ``[B, K, S, D]`` made XLA:CPU's scores matmul 1.8-2.5x slower at batch 8-32
+(``BENCHMARKS.md``, "decode attention"). Full-sequence
 attention (training, log-probs, prefill) uses :func:`causal_attention`: query blocks that skip keys above
 the diagonal, with a custom VJP that never materialises the normalised probabilities; the rotary tables
 are computed once per forward. Together about 6% less CPU time for the bench model's forward + backward
@@ -44,7 +47,7 @@ def init_param(rngs: nnx.Rngs, shape, cfg: ModelConfig, logical_axes, init="norm
 
 
 class KVCache(NamedTuple):
-  """Keys and values of ``L`` layers, ``[B, K, S, D]`` each, and the number of valid slots per row.
+  """Keys ``[B, K, D, S]`` and values ``[B, K, S, D]`` of ``L`` layers, and the number of valid slots per row.
 
   Row ``b``'s tokens lie contiguously in slots ``[0, lengths[b])`` in sequence order, so the token in
   slot ``s`` has rotary position ``s`` and a query at position ``p`` attends to slots ``<= p``. Slots at
@@ -52,8 +55,12 @@ class KVCache(NamedTuple):
   (:meth:`truncate`) therefore only lowers its length. The layer buffers are separate arrays (not one
   stacked array) so that an append updates each in place without slicing.
 
+  The keys are stored with the slots last (transposed against the values): the attention scores ``q k^T`` are
+  then a plain ``[G*T, D] x [D, S]`` matmul per (row, KV head), which XLA:CPU runs 1.8-2.5x faster at batch
+  8-32 than contracting ``[S, D]`` keys on ``D`` (module docstring).
+
   Attributes:
-    keys: ``L`` arrays ``[B, K, S, D]`` of rotated keys.
+    keys: ``L`` arrays ``[B, K, D, S]`` of rotated keys.
     values: ``L`` arrays ``[B, K, S, D]``.
     lengths: ``[B]`` int32, valid slots per row (``0 <= lengths <= S``).
   """
@@ -65,7 +72,7 @@ class KVCache(NamedTuple):
   @property
   def num_slots(self) -> int:
     """``S``, the capacity of every row."""
-    return self.keys[0].shape[2]
+    return self.values[0].shape[2]
 
   def truncate(self, lengths: jax.Array) -> "KVCache":
     """Rolls every row back to ``min(lengths, self.lengths)`` valid slots (``lengths [B]`` int).
@@ -89,19 +96,30 @@ class KVCache(NamedTuple):
     return KVCache(tuple(map(pick, self.keys)), tuple(map(pick, self.values)), pick(self.lengths))
 
 
-def write_rows(buffer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-  """``buffer[b, :, start[b]:start[b]+k] = new[b]`` for every row; ``buffer [B, K, S, D]``, ``new [B, K, k, D]``.
+def write_rows(buffer: jax.Array, new: jax.Array, start: jax.Array, slot_axis: int = 2) -> jax.Array:
+  """Writes ``new`` into slots ``[start[b], start[b] + k)`` of every row ``b`` along ``slot_axis``.
 
-  One scatter whose windows are whole rows (as ``vmap`` of ``dynamic_update_slice`` lowers to) but in
-  ``FILL_OR_DROP`` mode: a row whose window does not fit in ``S`` is left untouched instead of being
-  shifted back onto its valid slots.
+  ``buffer [B, K, S, D]`` with ``new [B, K, k, D]`` (values, ``slot_axis = 2``) or ``buffer [B, K, D, S]``
+  with ``new [B, K, D, k]`` (keys, ``slot_axis = 3``). One scatter whose windows are whole rows (as ``vmap``
+  of ``dynamic_update_slice`` lowers to) but in ``FILL_OR_DROP`` mode: a row whose window does not fit in
+  ``S`` is left untouched instead of being shifted back onto its valid slots.
   """
   b = buffer.shape[0]
   indices = jnp.stack([jnp.arange(b, dtype=jnp.int32), start.astype(jnp.int32)], axis=-1)
   dims = jax.lax.ScatterDimensionNumbers(update_window_dims=(1, 2, 3), inserted_window_dims=(0,),
-                                         scatter_dims_to_operand_dims=(0, 2))
+                                         scatter_dims_to_operand_dims=(0, slot_axis))
   return jax.lax.scatter(buffer, indices, new.astype(buffer.dtype), dims, indices_are_sorted=True,
                          unique_indices=True, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
+
+
+def cache_keys(keys: jax.Array, num_slots: int) -> jax.Array:
+  """Full-sequence keys ``[B, K, T, D]`` -> a cache buffer ``[B, K, D, num_slots]`` (slots ``>= T`` zero)."""
+  return jnp.pad(keys.transpose(0, 1, 3, 2), ((0, 0), (0, 0), (0, 0), (0, num_slots - keys.shape[2])))
+
+
+def cache_values(values: jax.Array, num_slots: int) -> jax.Array:
+  """Full-sequence values ``[B, K, T, D]`` -> a cache buffer ``[B, K, num_slots, D]`` (slots ``>= T`` zero)."""
+  return jnp.pad(values, ((0, 0), (0, 0), (0, num_slots - values.shape[2]), (0, 0)))
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -163,7 +181,7 @@ def grouped_attention(q: jax.Array, keys: jax.Array, values: jax.Array, allowed:
 
   Args:
     q: ``[B, T, H, D]`` rotated queries.
-    keys: ``[B, K, S, D]`` rotated keys.
+    keys: ``[B, K, D, S]`` rotated keys, slots last (the cache layout, :class:`KVCache`).
     values: ``[B, K, S, D]``.
     allowed: ``[B, T, S]`` boolean, query ``t`` may attend to key ``s``.
 
@@ -174,7 +192,7 @@ def grouped_attention(q: jax.Array, keys: jax.Array, values: jax.Array, allowed:
   k_heads = keys.shape[1]
   g = h // k_heads
   qg = q.reshape(b, t, k_heads, g, d).transpose(0, 2, 3, 1, 4).reshape(b, k_heads, g * t, d)
-  scores = jnp.einsum("bkqd,bksd->bkqs", qg, keys, preferred_element_type=jnp.float32)
+  scores = jnp.einsum("bkqd,bkds->bkqs", qg, keys, preferred_element_type=jnp.float32)
   scores = scores.reshape(b, k_heads, g, t, -1) * (1.0 / math.sqrt(d))
   scores = jnp.where(allowed[:, None, None, :, :], scores, _MASK_VALUE)
   probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype).reshape(b, k_heads, g * t, -1)
@@ -454,11 +472,14 @@ class Transformer(nnx.Module):
   # :meth:`logits_from_hidden` (or :meth:`value_from_hidden`) to them.
 
   def init_cache(self, batch: int, num_slots: int) -> KVCache:
-    """An empty cache (every length 0) of ``num_slots`` slots per row."""
+    """An empty cache (every length 0) of ``num_slots`` slots per row; every buffer a separate array (each
+    can be donated)."""
     cfg = self.cfg
-    shape = (batch, cfg.num_kv_heads, num_slots, cfg.head_dim)
-    zeros = tuple(jnp.zeros(shape, cfg.jnp_dtype) for _ in range(cfg.num_layers))
-    return KVCache(zeros, zeros, jnp.zeros((batch,), jnp.int32))
+    keys = tuple(jnp.zeros((batch, cfg.num_kv_heads, cfg.head_dim, num_slots), cfg.jnp_dtype)
+                 for _ in range(cfg.num_layers))
+    values = tuple(jnp.zeros((batch, cfg.num_kv_heads, num_slots, cfg.head_dim), cfg.jnp_dtype)
+                   for _ in range(cfg.num_layers))
+    return KVCache(keys, values, jnp.zeros((batch,), jnp.int32))
 
   def prefill(self, input_ids: jax.Array, attention_mask: jax.Array, num_slots: int,
               feature_layers: tuple[int, ...] = ()):
@@ -489,13 +510,12 @@ class Transformer(nnx.Module):
     rope = rope_tables(positions, rope_inverse_frequencies(self.cfg))
     x2 = self.embed_tokens(input_ids)
     keys, values, outputs = [], [], []
-    pad = ((0, 0), (0, 0), (0, num_slots - p), (0, 0))
     for block in self.blocks:
       q, k, v = block.project_qkv(x2, b, rope)
       k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
       x2 = block.finish(x2, causal_attention(q, k, v, mask).reshape(b * p, -1))
-      keys.append(jnp.pad(k, pad))
-      values.append(jnp.pad(v, pad))
+      keys.append(cache_keys(k, num_slots))
+      values.append(cache_values(v, num_slots))
       outputs.append(x2)
     last_index = jnp.maximum(lengths - 1, 0)[:, None, None]
     last = jnp.take_along_axis(x2.reshape(b, p, -1), last_index, axis=1)[:, 0]
@@ -539,7 +559,7 @@ class Transformer(nnx.Module):
     keys, values, outputs = [], [], []
     for block, layer_keys, layer_values in zip(self.blocks, cache.keys, cache.values):
       q, new_k, new_v = block.project_qkv(x2, b, rope)  # new_k, new_v [B, k, K, D]
-      layer_keys = write_rows(layer_keys, new_k.transpose(0, 2, 1, 3), start)
+      layer_keys = write_rows(layer_keys, new_k.transpose(0, 2, 3, 1), start, slot_axis=3)
       layer_values = write_rows(layer_values, new_v.transpose(0, 2, 1, 3), start)
       x2 = block.finish(x2, grouped_attention(q, layer_keys, layer_values, allowed).reshape(b * k, -1))
       keys.append(layer_keys)

@@ -132,8 +132,9 @@ def _prefill_shared(graphdef, state, ids, mask, rows, num_slots):
   logits = constrain(jnp.take(model.logits_from_hidden(hidden), rows, axis=0, mode="clip"),
                      ("batch", "vocab"))
   cache = cache.take(rows)
-  layout = lambda x: constrain(x, ("batch", "kv_heads", "seq", "head_dim"))
-  return logits, KVCache(tuple(map(layout, cache.keys)), tuple(map(layout, cache.values)), cache.lengths)
+  keys = tuple(constrain(x, ("batch", "kv_heads", "head_dim", "seq")) for x in cache.keys)
+  values = tuple(constrain(x, ("batch", "kv_heads", "seq", "head_dim")) for x in cache.values)
+  return logits, KVCache(keys, values, cache.lengths)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "filtering"),

@@ -293,14 +293,6 @@ def _act(graphdef, state, cache: KVCache, logits, keys, active, limits, eos_ids,
   return tokens, logp, cache.lengths - start, hit_eos, cache, logits
 
 
-def _empty_cache(model: Transformer, batch: int, num_slots: int) -> KVCache:
-  """Like ``model.init_cache`` but with a separate buffer per layer and per keys / values (all donated)."""
-  c = model.cfg
-  shape = (batch, c.num_kv_heads, num_slots, c.head_dim)
-  zeros = lambda: tuple(jnp.zeros(shape, c.jnp_dtype) for _ in range(c.num_layers))
-  return KVCache(zeros(), zeros(), jnp.zeros((batch,), jnp.int32))
-
-
 def _bucket(n: int, cap: int) -> int:
   return min(cap, max(8, 1 << max(0, n - 1).bit_length()))
 
@@ -335,7 +327,7 @@ def run_episodes(model: Transformer, tokenizer, envs: Sequence[Environment], see
   b = min(batch_size or n, n)
   cfg = settings
   graphdef, state = nnx.split(model)
-  cache = _empty_cache(model, b, cfg.num_slots + cfg.chunk_size)
+  cache = model.init_cache(b, cfg.num_slots + cfg.chunk_size)
   logits = jnp.zeros((b, model.cfg.vocab_size), jnp.float32)
   eos = jnp.asarray(eos_array(getattr(tokenizer, "eos_ids", (tokenizer.eos_id,))))
   pad_id = jnp.int32(tokenizer.pad_id)
