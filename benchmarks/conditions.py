@@ -9,7 +9,9 @@ The header names the CPU model (``/proc/cpuinfo``), the ISA flags present among 
 restriction in effect (``XLA_FLAGS=--xla_cpu_max_isa``, ``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``, and
 torch's own view when torch is loaded), the CPUs in the affinity mask, the allocator setting
 (``GLIBC_TUNABLES``), library versions, the 1-minute load average when this module was imported, and the
-float32 matmul peak (:class:`MatmulPeak`).
+float32 matmul peak (:class:`MatmulPeak`). The peak is what shows whether a restriction took: with jaxlib 0.10.2
+``--xla_cpu_max_isa=AVX2`` caps XLA's generated code but not YNNPACK's matmul kernels (the peak stayed at
+267 vs 271 GFLOP/s on an AVX-512 Xeon, ``BENCHMARKS.md``).
 
 The footer prints the load average at the end and the CPU time that OTHER processes took on this process's
 CPUs while it ran:
