@@ -7,13 +7,12 @@ gate | up boundaries (:func:`group_qkv`), and the output projection ``[H, D, E]`
 weight is reshaped to 2-D for its matmul: a merge that keeps the split major axis); the KV cache is
 keys ``[B, K, D, S]`` and values ``[B, K, S, D]`` with a length per row (each row left-aligned at slot 0,
 appended to by one scatter per layer buffer; as fast as the former same-slot ``dynamic_update_slice`` at
-batch 8 and 32 within this machine's noise) and grouped-query attention is one batched matmul per (batch, KV
-head) for the scores and one for the output, both with the slots as the major-to-minor last contracted or
-produced axis: keys stored ``[B, K, S, D]`` made XLA:CPU's scores matmul 1.8-2.5x slower at batch 8-32
-(``BENCHMARKS.md``, "decode attention"). Full-sequence
-attention (training, log-probs, prefill) uses :func:`causal_attention`: query blocks that skip keys above
-the diagonal, with a custom VJP that never materialises the normalised probabilities; the rotary tables
-are computed once per forward. Together about 6% less CPU time for the bench model's forward + backward
+batch 8 and 32 within this machine's noise) and grouped-query attention is two batched matmuls per (batch, KV
+head), ``[G*T, D] x [D, S]`` and ``[G*T, S] x [S, D]`` (with keys stored ``[B, K, S, D]`` the scores contracted
+both operands on their last axis, which XLA:CPU ran 1.7-2.8x slower at batch 8-32: ``BENCHMARKS.md``, "Decode
+attention"). Full-sequence attention (training, log-probs, prefill) uses :func:`causal_attention`: query
+blocks that skip keys above the diagonal, with a custom VJP that never materialises the normalised
+probabilities; the rotary tables are computed once per forward. Together about 6% less CPU time for the bench model's forward + backward
 than autodiff of a masked softmax over the full ``T x T`` (``BENCHMARKS.md``, "train step").
 
 Shapes: ``B`` batch, ``T`` query length, ``S`` key length / cache slots, ``E`` width, ``H`` query heads,
@@ -56,7 +55,7 @@ class KVCache(NamedTuple):
   stacked array) so that an append updates each in place without slicing.
 
   The keys are stored with the slots last (transposed against the values): the attention scores ``q k^T`` are
-  then a plain ``[G*T, D] x [D, S]`` matmul per (row, KV head), which XLA:CPU runs 1.8-2.5x faster at batch
+  then a plain ``[G*T, D] x [D, S]`` matmul per (row, KV head), which XLA:CPU runs 1.7-2.8x faster at batch
   8-32 than contracting ``[S, D]`` keys on ``D`` (module docstring).
 
   Attributes:
