@@ -12,8 +12,9 @@ head), ``[G*T, D] x [D, S]`` and ``[G*T, S] x [S, D]`` (with keys stored ``[B, K
 both operands on their last axis, which XLA:CPU ran 1.7-2.8x slower at batch 8-32: ``BENCHMARKS.md``, "Decode
 attention"). Full-sequence attention (training, log-probs, prefill) uses :func:`causal_attention`: query
 blocks that skip keys above the diagonal, with a custom VJP that never materialises the normalised
-probabilities; the rotary tables are computed once per forward. Together about 6% less CPU time for the bench model's forward + backward
-than autodiff of a masked softmax over the full ``T x T`` (``BENCHMARKS.md``, "train step").
+probabilities; the rotary tables are computed once per forward. Together about 6% less CPU time for the
+bench model's forward + backward than autodiff of a masked softmax over the full ``T x T`` (``BENCHMARKS.md``,
+"train step").
 
 Shapes: ``B`` batch, ``T`` query length, ``S`` key length / cache slots, ``E`` width, ``H`` query heads,
 ``K`` KV heads, ``G = H / K`` groups, ``D`` head width, ``F`` MLP width, ``V`` vocabulary.
