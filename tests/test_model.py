@@ -121,6 +121,19 @@ def _valid(cache, row, layer=0):
   return np.asarray(cache.keys[layer][row, :, :, :n]).transpose(0, 2, 1), np.asarray(cache.values[layer][row, :, :n])
 
 
+def test_cache_layout_and_separate_buffers(small_model):
+  """Keys slots-last, values slots-second, as prefill writes them; every buffer of an empty cache its own
+  array, so that a jitted loop can donate all of them (the multi-turn engine does)."""
+  cfg = small_model.cfg
+  cache = small_model.init_cache(3, 10)
+  assert all(k.shape == (3, cfg.num_kv_heads, cfg.head_dim, 10) for k in cache.keys)
+  assert all(v.shape == (3, cfg.num_kv_heads, 10, cfg.head_dim) for v in cache.values)
+  assert len({id(x) for x in cache.keys + cache.values}) == 2 * cfg.num_layers and cache.num_slots == 10
+  ids, mask = _right_padded(PROMPTS)
+  _, filled = jax.jit(small_model.prefill, static_argnums=2)(ids, mask, 10)
+  assert [x.shape for x in filled.keys + filled.values] == [x.shape for x in cache.keys + cache.values]
+
+
 def test_prefill_and_extend_match_the_full_forward(small_model):
   model = small_model
   full = _forward(model, *_right_padded([p + n for p, n in zip(PROMPTS, NEW)]))
