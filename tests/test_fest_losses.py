@@ -168,6 +168,26 @@ class FestGRPOTest(chex.TestCase):
     g = jax.grad(lambda x: fest.fest_grpo_sft_term(x, pos_mask, ref_pos, neg, ref_neg, beta)[0].value)(pos_tok)
     np.testing.assert_allclose(g, -w[:, None] * np.array([[1, 1, 0]]) / 2, rtol=f32_rtol(1, 4))
 
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_fixed_weight_holds_beta_over_two(self):
+    # The same pairs as above, but the weight does not decay: w = beta / 2 whatever the margins.
+    pos_tok = jnp.array([[-1.0, -2.0, -50.0], [-1.0, -2.0, -50.0]])
+    pos_mask = jnp.array([[1, 1, 0], [1, 1, 0]])
+    ref_pos, neg, ref_neg = jnp.array([-3.0, -3.0]), jnp.array([-5.0, -1.0]), jnp.array([-5.0, -11.0])
+    beta = jnp.array([0.1, 0.4])
+    f = self.variant(functools.partial(fest.fest_grpo_sft_term, fixed_weight=True))
+    loss, metrics = f(pos_tok, pos_mask, ref_pos, neg, ref_neg, beta)
+    w = np.array([0.05, 0.2])
+    np.testing.assert_allclose(loss.value, np.mean(w * 3.0), rtol=f32_rtol(1, 6))
+    np.testing.assert_allclose(metrics["decaying_weight"].value, w.mean(), rtol=f32_rtol(1, 4))
+    np.testing.assert_allclose(metrics["reward_margin"].value, -5.0, rtol=f32_rtol(1, 4))  # Still reported.
+    g = jax.grad(lambda x: fest.fest_grpo_sft_term(x, pos_mask, ref_pos, neg, ref_neg, beta,
+                                                   fixed_weight=True)[0].value)(pos_tok)
+    np.testing.assert_allclose(g, -w[:, None] * np.array([[1, 1, 0]]) / 2, rtol=f32_rtol(1, 4))
+    # At the reference policy (r+ = r- = 0) the decaying weight equals the fixed one.
+    zero, _ = fest.fest_grpo_sft_term(pos_tok, pos_mask, ref_pos, neg, neg, beta)
+    np.testing.assert_allclose(zero.value, loss.value, rtol=f32_rtol(1, 6))
+
   def test_fest_grpo_loss(self):
     sft = ops.WeightedMetric(jnp.float32(0.5), jnp.float32(2.0))
     rl = ops.WeightedMetric(jnp.float32(3.0), jnp.float32(6.0))

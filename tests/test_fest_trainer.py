@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import chex
 from flax import nnx
@@ -20,6 +21,7 @@ import pytest
 from configs import fest_math
 from lemon_rl.models import Transformer, get_preset
 from lemon_rl.training import fest as fest_lib
+from lemon_rl.training import phases
 from lemon_rl.training import state as state_lib
 from lemon_rl.training.config_validation import ConfigError, validate_config
 
@@ -316,6 +318,26 @@ def test_config_errors_name_the_field(field, value, needle):
   config[section][key] = value
   config.rl.microbatch_size = 32
   with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(".", r"\.")):
+    validate_config(config)
+
+
+def test_expert_sft_source_mixes_easy_demonstrations():
+  task = types.SimpleNamespace(expert_source=[{"id": f"e{i}"} for i in range(4)],
+                               sft_source=[{"id": f"s{i}"} for i in range(20)])
+  assert phases.expert_sft_source(task, 0) == task.expert_source
+  mixed = phases.expert_sft_source(task, 3)
+  assert [r["id"] for r in mixed] == [f"e{i}" for i in range(4)] + [f"s{i}" for i in range(12)]  # A quarter.
+  with pytest.raises(ValueError, match="easy_per_shot=6 needs 24"):
+    phases.expert_sft_source(task, 6)
+  with pytest.raises(ValueError, match="expert demonstrations"):
+    phases.expert_sft_source(types.SimpleNamespace(expert_source=None, sft_source=[]), 0)
+
+
+def test_fixed_weight_is_a_fest_grpo_option():
+  config = fest_math.get_config("fest_grpo_fixed_w")
+  assert fest_lib.fest_loss_from_config(config.rl, config.fest, config.rl.algorithm).fixed_weight
+  config.rl.algorithm = "fest_dpo"
+  with pytest.raises(ConfigError, match="fest.fixed_weight"):
     validate_config(config)
 
 

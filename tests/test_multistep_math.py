@@ -10,7 +10,7 @@ from lemon_rl.data import splits as content_splits
 from lemon_rl.envs import multistep_math as mm
 from lemon_rl.envs.tasks import TASKS
 
-NUM = 300  # Records per split in the property tests.
+NUM = 200  # Records per split in the property tests (the 2-step test bucket holds 269 computations).
 
 
 @pytest.fixture(scope="module")
@@ -19,10 +19,10 @@ def records():
 
 
 def evaluate_chain(prompt: str) -> int:
-  """Independent left-to-right evaluation of a chain prompt such as ``"07+5*3-4="``."""
-  tokens = re.findall(r"[+*-]|[0-9]+", prompt.rstrip("="))
-  value = int(tokens[0])
-  for op, operand in zip(tokens[1::2], tokens[2::2]):
+  """Independent evaluation of a chain prompt: ``"07+5*3-4="`` left to right, ``"07-4*3+5?"`` right to left."""
+  tokens = re.findall(r"[+*-]|[0-9]+", prompt[:-1])
+  value, steps = int(tokens[0]), list(zip(tokens[1::2], tokens[2::2]))
+  for op, operand in steps if prompt.endswith("=") else steps[::-1]:
     value = {"+": value + int(operand), "-": value - int(operand), "*": value * int(operand)}[op]
   return value
 
@@ -43,6 +43,18 @@ class TestProblems:
     assert mm.parse_prompt(problem.prompt) == problem
     assert len(problem.prompt) == mm.prompt_length(3) and len(problem.solution) == mm.solution_length(3)
 
+  def test_hand_example_right_to_left(self):
+    problem = mm.Problem(7, (("+", 5), ("*", 3), ("-", 4)), "?")
+    assert problem.prompt == "07-4*3+5?"  # The same computation, written reversed.
+    assert problem.solution == mm.Problem(7, problem.steps).solution == "07+5=12;12*3=36;36-4=32;#32"
+    assert mm.parse_prompt("07-4*3+5?") == problem
+    assert problem.order_sensitive  # Read left to right: (7 - 4) * 3 + 5 = 14, not 32.
+    assert not mm.Problem(7, (("+", 5), ("-", 4)), "?").order_sensitive  # Commuting steps: one answer.
+    assert mm.Problem(5, (("*", 2), ("-", 6)), "?").order_sensitive  # 5 - 6 leaves the range: counts.
+    assert mm.canonical_key(problem) == mm.canonical_key("07+5*3-4=")  # The rule is not part of the key.
+    with pytest.raises(ValueError, match="rule"):
+      mm.Problem(7, (("+", 5),), "!")
+
   @pytest.mark.parametrize("start, steps", [
       (100, (("+", 1),)), (95, (("+", 5),)), (5, (("-", 6),)), (40, (("*", 3),)), (5, (("*", 4),)),
       (5, (("+", 10),)), (5, (("/", 2),)), (5, (("+", 0),)), (5, ()), (5, (("+", 1),) * (mm.MAX_STEPS + 1))])
@@ -50,7 +62,8 @@ class TestProblems:
     with pytest.raises(ValueError):
       mm.Problem(start, steps)
 
-  @pytest.mark.parametrize("prompt", ["7+5=", "07+05=", "07+5", "07/5=", "07+5=12", "", "99+5="])
+  @pytest.mark.parametrize("prompt", ["7+5=", "07+05=", "07+5", "07/5=", "07+5=12", "", "99+5=", "07+5!",
+                                      "07+5?=", "05*2-6?"])
   def test_parse_prompt_rejects(self, prompt):
     with pytest.raises(ValueError):
       mm.parse_prompt(prompt)
@@ -80,8 +93,16 @@ class TestProblems:
       assert counts == set(range(lo, hi + 1)), (split, counts)
       assert all(r["prompt"].count("+") + r["prompt"].count("-") + r["prompt"].count("*") == r["num_steps"]
                  for r in recs)
-    assert mm.SPLIT_STEPS["easy_sft"][1] < mm.SPLIT_STEPS["hard_train"][0]
+    # The hard chains are no longer than the starting policy's: only the rule is new.
+    assert mm.SPLIT_STEPS["hard_train"][1] <= mm.SPLIT_STEPS["easy_sft"][1]
     assert mm.SPLIT_STEPS["hard_test"][1] < mm.SPLIT_STEPS["shifted_test"][0]
+
+  def test_rules_per_split(self, records):
+    for split, recs in records.items():
+      rule = mm.SPLIT_RULE[split]
+      assert all(r["prompt"].endswith(rule) for r in recs), split
+      if rule == mm.RIGHT_TO_LEFT:  # Read left to right, every hard prompt gives another answer.
+        assert all(int(r["answer"]) != evaluate_chain(r["prompt"][:-1] + "=") for r in recs), split
 
   def test_all_operations_occur(self, records):
     ops = "".join(r["prompt"] for r in records["hard_train"])
@@ -103,7 +124,9 @@ class TestSplits:
   def test_disjoint_by_canonical_key(self, records):
     keys = {split: {mm.canonical_key(r["prompt"]) for r in recs} for split, recs in records.items()}
     overlaps = content_splits.key_overlaps(keys)
-    assert not any(overlaps.values()), overlaps
+    # The two test sets of different rules may share a computation (module docstring); no other pair may.
+    allowed = {("easy_test", "hard_test"), ("hard_test", "easy_test")}
+    assert not any(n for pair, n in overlaps.items() if pair not in allowed), overlaps
 
   def test_canonical_key_sorts_commuting_runs_only(self):
     assert mm.canonical_key("07+5-3*2*3=") == mm.canonical_key("07-3+5*3*2=") == "07(+5-3)(*2*3)="
@@ -113,14 +136,14 @@ class TestSplits:
     assert mm.canonical_key(mm.parse_prompt("12-4+9=")) == mm.canonical_key("12+9-4=")
 
   def test_buckets(self, records):
-    expected = {"easy_sft": "train", "hard_train": "train", "expert": "expert", "easy_test": "test",
+    expected = {"easy_sft": "sft", "hard_train": "rl", "expert": "expert", "easy_test": "test",
                 "hard_test": "test", "shifted_test": "test", "hard_validation": "validation"}
     assert set(expected) == set(mm.SPLITS)
     for split, recs in records.items():
       assert {mm.bucket_of(r["prompt"]) for r in recs} == {expected[split]}
 
   def test_distinct_where_promised(self, records):
-    for split in ("easy_test", "expert", "hard_train", "hard_validation", "hard_test", "shifted_test"):
+    for split in ("easy_test", "expert", "hard_validation", "hard_test", "shifted_test"):
       assert len({mm.canonical_key(r["prompt"]) for r in records[split]}) == NUM, split
 
   def test_deterministic(self, records):
@@ -138,15 +161,15 @@ class TestSplits:
     assert all("solution" not in r and "completion" not in r for r in rl)
     assert [r["prompt"] for r in rl] == [r["prompt"] for r in mm.generate_examples(0, 20, "hard_train")]
     sft = mm.sft_demonstrations(0, 20)
-    assert all(r["completion"] == r["solution"] and r["num_steps"] <= 2 for r in sft)
-    assert all(r["num_steps"] >= 6 for r in mm.shifted_test(0, 20))
+    assert all(r["completion"] == r["solution"] and r["num_steps"] <= 2 and r["prompt"][-1] == "=" for r in sft)
+    assert all(r["num_steps"] == 3 and r["prompt"][-1] == "?" for r in mm.shifted_test(0, 20))
     assert mm.hard_test(0, 20) == list(mm.generate_examples(0, 20, "hard_test"))
     assert mm.hard_validation(0, 20) == list(mm.generate_examples(0, 20, "hard_validation"))
-    assert all(4 <= r["num_steps"] <= 5 for r in mm.hard_validation(0, 20))
+    assert all(2 <= r["num_steps"] <= 3 for r in mm.hard_validation(0, 20))
 
   def test_num_steps_override_and_errors(self):
-    recs = list(mm.generate_examples(0, 20, "hard_test", num_steps=(3, 3)))
-    assert {r["num_steps"] for r in recs} == {3}
+    recs = list(mm.generate_examples(0, 20, "hard_test", num_steps=(5, 5)))
+    assert {r["num_steps"] for r in recs} == {5}
     with pytest.raises(ValueError, match="unknown split"):
       mm.generate_problems(0, 1, "train")
     with pytest.raises(ValueError, match="num_steps"):
@@ -155,7 +178,7 @@ class TestSplits:
       mm.generate_problems(0, -1, "hard_test")
     with pytest.raises(ValueError, match="fraction"):
       mm.generate_problems(0, 1, "hard_test", test_fraction=0.6, expert_fraction=0.5)
-    with pytest.raises(ValueError, match="distinct"):  # Only 1,792 one-step prompts exist.
+    with pytest.raises(ValueError, match="distinct"):  # Only 1,792 one-step chains exist.
       mm.generate_problems(0, 5000, "easy_test", num_steps=(1, 1))
     with pytest.raises(ValueError, match="num_shots"):
       mm.expert_demonstrations(0, 0)
@@ -223,14 +246,14 @@ class TestTaskBuilder:
     task = TASKS.get("fest_math")(cfg, "/nonexistent")
     assert len(task.sft_source) == 40 and len(task.rl_source) == 30 and len(task.test_examples) == 20
     assert task.validation_examples == mm.hard_validation(0, 24)
-    assert all(r["completion"] == r["solution"] and r["num_steps"] <= 2 for r in task.sft_source)
-    assert all("solution" not in r and r["num_steps"] >= 4 for r in task.rl_source)
+    assert all(r["completion"] == r["solution"] and r["prompt"][-1] == "=" for r in task.sft_source)
+    assert all("solution" not in r and r["prompt"][-1] == "?" for r in task.rl_source)
     assert task.test_examples == mm.hard_test(0, 20)
-    assert task.max_new_tokens >= mm.solution_length(5) + 1
+    assert task.max_new_tokens >= mm.solution_length(3) + 1
     assert task.max_completion_len >= max(len(r["completion"]) for r in task.sft_source) + 1
     assert task.prompt_len >= 1 + max(len(r["prompt"]) for r in task.rl_source + task.test_examples)
     assert task.expert_source == mm.expert_demonstrations(0, 16)
-    assert all(r["num_steps"] >= 4 and r["completion"] == r["solution"] for r in task.expert_source)
+    assert all(r["prompt"][-1] == "?" and r["completion"] == r["solution"] for r in task.expert_source)
     hard = task.test_examples
     out = task.eval_reward([r["prompt"] for r in hard], [r["solution"] for r in hard], [[0]] * 20,
                            **{k: [r[k] for r in hard] for k in hard[0] if k != "prompt"})

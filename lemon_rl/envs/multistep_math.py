@@ -1,64 +1,67 @@
-"""The FEST task: chains of one-digit operations on two-digit values, with worked solutions.
+"""The FEST task: chains of one-digit operations on two-digit values under two evaluation rules.
 
 See METHODS.md section 2 (FEST).
 
-A problem is a start value and ``k`` operations with one-digit operands applied **left to right** (a chain, no
-precedence); values are written with exactly ``NUM_WIDTH = 2`` digits::
+A problem is a start value and ``k`` operations with one-digit operands, applied in sequence (a chain, no
+precedence); values are written with exactly ``NUM_WIDTH = 2`` digits. The prompt's last byte names the RULE,
+the order in which the written operations are applied:
 
-  prompt    "07+5*3-4="                     # ((7 + 5) * 3) - 4
-  solution  "07+5=12;12*3=36;36-4=32;#32"   # one line "a op b=c;" per step, then "#" and the answer
-  answer    "32"
+  rule "="  left to right   prompt "07+5*3-4="   solution "07+5=12;12*3=36;36-4=32;#32"
+  rule "?"  right to left   prompt "07-4*3+5?"   solution "07+5=12;12*3=36;36-4=32;#32"
 
-Values stay in ``VALUE_RANGE = [0, 99]`` by construction: at each step the generator picks uniformly among the
-operations that keep the value in range (``OPERAND_RANGES``: ``+b`` and ``-b`` with ``1 <= b <= 9``, ``*b`` with
+The solution is one line ``"a op b=c;"`` per step in the order of application, then ``"#"`` and the answer,
+under either rule: the two prompts above are one computation. Values stay in ``VALUE_RANGE = [0, 99]`` by
+construction: at each step (in application order) the generator picks uniformly among the operations that
+keep the value in range (``OPERAND_RANGES``: ``+b`` and ``-b`` with ``1 <= b <= 9``, ``*b`` with
 ``b in {2, 3}``), then ``b`` uniformly among the operands that do. A step line is ``STEP_LEN = 8`` bytes, so a
 ``k``-step prompt has ``2k + 3`` bytes and a solution ``8k + 3``.
 
-The exploration bottleneck: the starting policy is fine-tuned on worked solutions of EASY chains (1-2 steps)
-only. It masters every single-step computation but has never seen a longer prompt or a third line: on HARD
-chains (4-5 steps) it garbles even the first line and stops after about two, so almost every group of samples is
-all-wrong and plain GRPO gets no signal. Worked hard solutions teach the missing, transferable piece of the
-procedure (one line per operation of the prompt, in order), which few-shot expert data (``D_E``) can supply.
-SHIFTED chains (6-7 steps) test whether the procedure, rather than the hard lengths, was learnt.
+The missing piece is a PROCEDURE (issue 10's redesign): the starting policy is fine-tuned on worked solutions
+of chains of 1-2 steps under rule ``"="`` only. It masters every line and the length of the hard set but has
+never seen rule ``"?"``. The hard chains (2 steps, rule ``"?"``) are ORDER-SENSITIVE: read left to right they
+give another answer (or leave the value range), so the answer is right only if the procedure (read the
+operations from the right) is. Worked ``"?"`` solutions, which few-shot expert data (``D_E``) supplies, teach
+exactly that piece. SHIFTED chains (3 steps, rule ``"?"``) test it one step beyond every trained length.
 
-Measured (a 2-layer d-128 model, ``ByteTokenizer``, 2 shared CPU cores; 200 problems per set, greedy and 8
-samples at temperature 1). SFT on ``easy_sft`` (500 steps x 128, AdamW 2e-3 cosine): easy held-out 0.995;
-hard_test greedy 0.02, Avg@8 0.016, Pass@8 0.07, 93% of groups all-wrong. Then 300 more SFT steps (5e-4) with a
-quarter of each batch from ``D_E``: 128 shots -> greedy 0.09, Avg@8 0.064, Pass@8 0.25 (75% all-wrong);
-512 shots -> 0.34, 0.18, 0.53 (48% all-wrong); easy only (control) -> 0.01, 0.011, 0.03 (97% all-wrong).
-The remaining errors after ``D_E`` are mostly a wrong operand copied at the fourth step, a sharpening target
-for RL on ``D_I``. Shifted chains stay near 0 (0.03 greedy with 512 shots).
+Measured (pilot, seed 0, the ``tiny`` preset of ``configs/fest_math.py``, 128 validation problems, 8 samples at
+temperature 1): after the easy SFT (500 steps x 128) easy chains are solved greedily at 0.94 and the hard
+set at Avg@8 0.003, Pass@8 0.023 (the lines written after a ``"?"`` are mostly not arithmetic); 100 SFT steps
+x 32 on 128 worked ``"?"`` solutions give Avg@8 0.22, Pass@8 0.50 (easy greedy 0.07: forgotten), 200 steps
+with three easy demonstrations per shot mixed in give 0.32, 0.58 (easy 0.81). So the shots can teach the
+procedure, and the start leaves RL nearly all-wrong groups.
 
-*Decision* (measured): one-digit operands. With two-digit operands (``"07+05=12"``) the same SFT budget left
-about one easy line in five wrong, so a hard chain failed on arithmetic even when its procedure was right
-(128 shots then gave greedy 0.055 with 94% of chains complete): the bottleneck should be the procedure, not a
-skill that a few hundred demonstrations cannot teach.
+*Decision* (measured on the previous design): the hard set must not be longer than the starting policy's
+chains. With easy chains of 1-2 steps and hard ones of 4-5, the policy garbled the third line, line accuracy
+capped a full chain's chance near 0, and 93% of groups stayed all-wrong for every arm: the bottleneck was
+length generalisation, not a procedure that a few hundred demonstrations can teach.
 
-Splits (``SPLIT_STEPS`` gives the step range of each):
+Splits (``SPLIT_STEPS`` gives the step range of each, ``SPLIT_RULE`` its rule):
 
-===============  =====  ==========  ====================================================
-split            steps  bucket      use
-===============  =====  ==========  ====================================================
-easy_sft         1-2    train       SFT demonstrations of the starting policy (i.i.d.)
-easy_test        1-2    test        held-out check of the starting policy (distinct)
-expert           4-5    expert      ``D_E``: hard problems with worked solutions (distinct)
-hard_train       4-5    train       ``D_I``: hard problems, answers only for RL (distinct)
-hard_validation  4-5    validation  hard problems for tuning hyper-parameters (distinct)
-hard_test        4-5    test        held-out hard problems (distinct)
-shifted_test     6-7    test        out-of-distribution: longer chains (distinct)
-===============  =====  ==========  ====================================================
+===============  =====  ====  ==========  ====================================================
+split            steps  rule  bucket      use
+===============  =====  ====  ==========  ====================================================
+easy_sft         1-2    =     sft         SFT demonstrations of the starting policy (i.i.d.)
+easy_test        1-2    =     test        held-out check of the starting policy (distinct)
+expert           2      ?     expert      ``D_E``: hard problems with worked solutions (distinct)
+hard_train       2      ?     rl          ``D_I``: hard problems, answers only for RL (i.i.d.)
+hard_validation  2      ?     validation  hard problems for tuning hyper-parameters (distinct)
+hard_test        2      ?     test        held-out hard problems (distinct)
+shifted_test     3      ?     test        out-of-distribution: a longer chain (distinct)
+===============  =====  ====  ==========  ====================================================
 
 Buckets make the splits disjoint by CONTENT, by construction (``lemon_rl.data.splits``): a stable hash
 (BLAKE2b) of the problem's canonical key (:func:`canonical_key`) gives a score ``s in [0, 1)``;
 ``s < test_fraction`` is the test bucket, the next ``expert_fraction`` the expert bucket, the next
-``validation_fraction`` the validation bucket, the rest (70% by default) the train bucket. *Decision*: the key
-is the chain with every maximal run of commuting steps sorted (``07+5-3*2`` and ``07-3+5*2`` are one problem:
-additions and subtractions commute with each other, multiplications with each other, so both chains have the
-same answer), so a reordered chain cannot leak an answer into another split. The key keeps the step count, so
-the splits sharing a bucket (``easy_sft`` / ``hard_train``; the three test splits) share no key either. The
-distinct splits hold distinct keys. Every generator is a pure function of ``(seed, split)``; the distinct
-splits are drawn sequentially, so ``expert_demonstrations(seed, 64)`` is a prefix of
-``expert_demonstrations(seed, 128)``.
+``validation_fraction`` the validation bucket, the next ``rl_fraction`` the RL bucket, the rest (50% by
+default) the SFT bucket. *Decision*: the key is the COMPUTATION, whatever the rule that wrote it: the steps
+in application order with every maximal run of commuting steps sorted (``07+5-3*2`` and ``07-3+5*2`` are one
+problem: additions and subtractions commute with each other, multiplications with each other, so both chains
+have the same answer and lines of the same arithmetic), so neither a reordered chain nor the same chain under
+the other rule can carry an answer or a worked line into another split. Every split has its own bucket
+except the three test splits, which share the test bucket: each is distinct, and a computation may be in
+``easy_test`` under ``"="`` and in ``hard_test`` under ``"?"`` (neither trains anything). Every generator
+is a pure function of ``(seed, split)``; the distinct splits are drawn sequentially, so
+``expert_demonstrations(seed, 64)`` is a prefix of ``expert_demonstrations(seed, 128)``.
 
 The verifier :func:`answer_reward` follows ``lemon_rl/rewards/base.py``: reward 1 iff the text after the last
 ``"#"`` is the answer (as a decimal integer, so ``"#7"`` and ``"#07"`` both answer ``"07"``).
@@ -88,25 +91,35 @@ MAX_SOLUTION_LEN = 96  # Bytes, EOS not included.
 DEFAULT_TEST_FRACTION = 0.1
 DEFAULT_EXPERT_FRACTION = 0.1
 DEFAULT_VALIDATION_FRACTION = 0.1
+DEFAULT_RL_FRACTION = 0.2
+LEFT_TO_RIGHT, RIGHT_TO_LEFT = "=", "?"  # The rules: the prompt's last byte.
+RULES = (LEFT_TO_RIGHT, RIGHT_TO_LEFT)
 
 SPLIT_STEPS: dict[str, tuple[int, int]] = {
     "easy_sft": (1, 2),
     "easy_test": (1, 2),
-    "expert": (4, 5),
-    "hard_train": (4, 5),
-    "hard_test": (4, 5),
-    "shifted_test": (6, 7),
-    "hard_validation": (4, 5),  # Last: a split's random stream is its index in SPLITS.
+    "expert": (2, 2),
+    "hard_train": (2, 2),
+    "hard_test": (2, 2),
+    "shifted_test": (3, 3),
+    "hard_validation": (2, 2),  # Last: a split's random stream is its index in SPLITS.
 }
 SPLITS = tuple(SPLIT_STEPS)
-_SPLIT_BUCKET = {"easy_sft": "train", "easy_test": "test", "expert": "expert", "hard_train": "train",
+SPLIT_RULE = {"easy_sft": LEFT_TO_RIGHT, "easy_test": LEFT_TO_RIGHT, "expert": RIGHT_TO_LEFT,
+              "hard_train": RIGHT_TO_LEFT, "hard_test": RIGHT_TO_LEFT, "shifted_test": RIGHT_TO_LEFT,
+              "hard_validation": RIGHT_TO_LEFT}
+_SPLIT_BUCKET = {"easy_sft": "sft", "easy_test": "test", "expert": "expert", "hard_train": "rl",
                  "hard_test": "test", "shifted_test": "test", "hard_validation": "validation"}
-_SALT = b"lemon-fest"
-_IID_SPLITS = ("easy_sft",)  # Only 1,792 one-step prompts exist: repeats are allowed there.
+_REST_BUCKET = "sft"
+_SALT = b"lemon-fest-rule"
+# Repeats are allowed in the starting policy's demonstrations and in D_I: the RL bucket holds 583 distinct
+# order-sensitive 2-step computations (of 2,817; 279 in the expert, 283 in the validation, 269 in the test
+# bucket).
+_IID_SPLITS = ("easy_sft", "hard_train")
 
 _STEP_RE = re.compile(r"^([0-9]+)([+*-])([0-9]+)=([0-9]+)$")
 _FINAL_RE = re.compile(r"^[0-9]{1,6}$")
-_PROMPT_RE = re.compile(r"^([0-9]{%d})((?:[+*-][0-9])+)=$" % NUM_WIDTH)
+_PROMPT_RE = re.compile(r"^([0-9]{%d})((?:[+*-][0-9])+)([=?])$" % NUM_WIDTH)
 
 
 def solution_length(num_steps: int) -> int:
@@ -140,13 +153,17 @@ def _fmt(value: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-  """A chain ``start op_1 b_1 op_2 b_2 ...`` evaluated left to right; every value in ``VALUE_RANGE``."""
+  """A chain ``start op_1 b_1 op_2 b_2 ...`` (``steps`` in APPLICATION order; every value in ``VALUE_RANGE``)
+  written under ``rule``: ``"="`` writes the steps as applied, ``"?"`` writes them reversed."""
 
   start: int
   steps: tuple[tuple[str, int], ...]
+  rule: str = LEFT_TO_RIGHT
 
   def __post_init__(self):
     lo, hi = VALUE_RANGE
+    if self.rule not in RULES:
+      raise ValueError(f"rule must be one of {RULES}, got {self.rule!r}")
     if not 1 <= len(self.steps) <= MAX_STEPS:
       raise ValueError(f"a chain has 1..{MAX_STEPS} steps, got {len(self.steps)}")
     if not lo <= self.start <= hi:
@@ -179,8 +196,22 @@ class Problem:
     return self.values[-1]
 
   @property
+  def written_steps(self) -> tuple[tuple[str, int], ...]:
+    """The steps in the order the prompt writes them."""
+    return self.steps if self.rule == LEFT_TO_RIGHT else self.steps[::-1]
+
+  @property
   def prompt(self) -> str:
-    return _fmt(self.start) + "".join(f"{op}{b}" for op, b in self.steps) + "="
+    return _fmt(self.start) + "".join(f"{op}{b}" for op, b in self.written_steps) + self.rule
+
+  @property
+  def order_sensitive(self) -> bool:
+    """Whether applying the written steps in the other rule's order gives another answer (the value range
+    not enforced): only then does a right answer show that the rule was followed."""
+    value = self.start
+    for op, operand in self.steps[::-1]:
+      value = _apply(value, op, operand)
+    return value != self.value
 
   @property
   def answer(self) -> str:
@@ -188,7 +219,7 @@ class Problem:
 
   @property
   def solution(self) -> str:
-    """One line ``"a op b=c;"`` per step, then ``"#"`` and the answer."""
+    """One line ``"a op b=c;"`` per step in application order, then ``"#"`` and the answer."""
     values = self.values
     lines = [f"{_fmt(v)}{op}{b}={_fmt(w)};" for v, (op, b), w in zip(values, self.steps, values[1:])]
     return "".join(lines) + "#" + self.answer
@@ -199,13 +230,14 @@ def parse_prompt(prompt: str) -> Problem:
   match = _PROMPT_RE.match(prompt) if isinstance(prompt, str) else None
   if match is None:
     raise ValueError(f"not a multi-step math prompt: {prompt!r}")
-  rest = match.group(2)
+  rest, rule = match.group(2), match.group(3)
   steps = tuple((rest[i], int(rest[i + 1])) for i in range(0, len(rest), 2))
-  return Problem(int(match.group(1)), steps)
+  return Problem(int(match.group(1)), steps if rule == LEFT_TO_RIGHT else steps[::-1], rule)
 
 
-def sample_problem(rng: np.random.Generator, num_steps: int) -> Problem:
-  """A random chain of ``num_steps``: each step picks uniformly among the in-range operations, then the operand."""
+def sample_problem(rng: np.random.Generator, num_steps: int, rule: str = LEFT_TO_RIGHT) -> Problem:
+  """A random chain of ``num_steps`` under ``rule``: each step (in application order) picks uniformly among the
+  in-range operations, then the operand."""
   lo, hi = VALUE_RANGE
   value = int(rng.integers(lo, hi + 1))
   start, steps = value, []
@@ -224,17 +256,19 @@ def sample_problem(rng: np.random.Generator, num_steps: int) -> Problem:
     operand = int(rng.integers(b_lo, b_hi + 1))
     steps.append((op, operand))
     value = _apply(value, op, operand)
-  return Problem(start, tuple(steps))
+  return Problem(start, tuple(steps), rule)
 
 
-_COMMUTING = {"+": "+", "-": "+", "*": "*"}  # Steps of one class commute in a left-to-right chain.
+_COMMUTING = {"+": "+", "-": "+", "*": "*"}  # Steps of one class commute in a chain.
 
 
 def canonical_key(problem: Problem | str) -> str:
-  """The content key of a chain (a :class:`Problem` or its prompt): each maximal run of commuting steps sorted.
+  """The content key of a chain (a :class:`Problem` or its prompt): its steps in application order, each
+  maximal run of commuting steps sorted; the rule that wrote it is not part of the key.
 
   ``+b`` and ``-b`` steps commute with each other, ``*b`` steps with each other, so reordering a run changes
-  neither the answer nor the step count: ``07+5-3*2*3=`` and ``07-3+5*3*2=`` both give ``"07(+5-3)(*2*3)="``.
+  neither the answer nor the step count: ``07+5-3*2*3=``, ``07-3+5*3*2=`` and ``07*2*3-3+5?`` all give
+  ``"07(+5-3)(*2*3)="``.
   """
   if isinstance(problem, str):
     problem = parse_prompt(problem)
@@ -248,18 +282,20 @@ def canonical_key(problem: Problem | str) -> str:
                                        for run in runs) + "="
 
 
-def _fractions(test_fraction: float, expert_fraction: float, validation_fraction: float):
-  fractions = (("test", test_fraction), ("expert", expert_fraction), ("validation", validation_fraction))
-  content_splits.check_fractions(fractions, "train")
+def _fractions(test_fraction: float, expert_fraction: float, validation_fraction: float, rl_fraction: float):
+  fractions = (("test", test_fraction), ("expert", expert_fraction), ("validation", validation_fraction),
+               ("rl", rl_fraction))
+  content_splits.check_fractions(fractions, _REST_BUCKET)
   return fractions
 
 
 def bucket_of(problem: Problem | str, test_fraction: float = DEFAULT_TEST_FRACTION,
               expert_fraction: float = DEFAULT_EXPERT_FRACTION,
-              validation_fraction: float = DEFAULT_VALIDATION_FRACTION) -> str:
-  """``"test"``, ``"expert"``, ``"validation"`` or ``"train"``: the hash bucket of a chain's canonical key."""
-  return content_splits.content_bucket(canonical_key(problem), _SALT,
-                                       _fractions(test_fraction, expert_fraction, validation_fraction), "train")
+              validation_fraction: float = DEFAULT_VALIDATION_FRACTION,
+              rl_fraction: float = DEFAULT_RL_FRACTION) -> str:
+  """``"test"``, ``"expert"``, ``"validation"``, ``"rl"`` or ``"sft"``: the hash bucket of a chain's key."""
+  fractions = _fractions(test_fraction, expert_fraction, validation_fraction, rl_fraction)
+  return content_splits.content_bucket(canonical_key(problem), _SALT, fractions, _REST_BUCKET)
 
 
 def split_rng(seed: int, split: str) -> np.random.Generator:
@@ -272,8 +308,11 @@ def split_rng(seed: int, split: str) -> np.random.Generator:
 def generate_problems(seed: int, num: int, split: str, *, num_steps: tuple[int, int] | None = None,
                       test_fraction: float = DEFAULT_TEST_FRACTION,
                       expert_fraction: float = DEFAULT_EXPERT_FRACTION,
-                      validation_fraction: float = DEFAULT_VALIDATION_FRACTION) -> list[Problem]:
-  """``num`` problems of ``split``; deterministic in ``(seed, split)``.
+                      validation_fraction: float = DEFAULT_VALIDATION_FRACTION,
+                      rl_fraction: float = DEFAULT_RL_FRACTION) -> list[Problem]:
+  """``num`` problems of ``split`` under its rule (``SPLIT_RULE``); deterministic in ``(seed, split)``.
+
+  Problems of the ``"?"`` rule are order-sensitive (:attr:`Problem.order_sensitive`): others are redrawn.
 
   Args:
     seed: data seed.
@@ -283,24 +322,31 @@ def generate_problems(seed: int, num: int, split: str, *, num_steps: tuple[int, 
     test_fraction: mass of the test bucket.
     expert_fraction: mass of the expert bucket.
     validation_fraction: mass of the validation bucket.
+    rl_fraction: mass of the RL (``D_I``) bucket; the rest is the SFT bucket.
   """
   if split not in SPLITS:
     raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
   lo, hi = SPLIT_STEPS[split] if num_steps is None else num_steps
   if not 1 <= lo <= hi <= MAX_STEPS:
     raise ValueError(f"num_steps must satisfy 1 <= lo <= hi <= {MAX_STEPS}, got {(lo, hi)}")
-  fractions = _fractions(test_fraction, expert_fraction, validation_fraction)
+  fractions = _fractions(test_fraction, expert_fraction, validation_fraction, rl_fraction)
   if num < 0:
     raise ValueError(f"num must be >= 0, got {num}")
-  bucket = _SPLIT_BUCKET[split]
+  bucket, rule = _SPLIT_BUCKET[split], SPLIT_RULE[split]
   distinct = split not in _IID_SPLITS
   rng = split_rng(seed, split)
+
+  def draw() -> Problem:
+    while True:
+      problem = sample_problem(rng, int(rng.integers(lo, hi + 1)), rule)
+      if rule == LEFT_TO_RIGHT or problem.order_sensitive:
+        return problem
+
   return content_splits.draw_from_bucket(
-      lambda: sample_problem(rng, int(rng.integers(lo, hi + 1))), canonical_key,
-      lambda key: content_splits.content_bucket(key, _SALT, fractions, "train"), bucket, num,
-      distinct=distinct,
+      draw, canonical_key, lambda key: content_splits.content_bucket(key, _SALT, fractions, _REST_BUCKET),
+      bucket, num, distinct=distinct,
       # Rejections in a row before giving up: the (distinct) pool is (nearly) exhausted.
-      max_misses=int(1000 / content_splits.bucket_mass(fractions, "train", bucket)),
+      max_misses=int(1000 / content_splits.bucket_mass(fractions, _REST_BUCKET, bucket)),
       what=f"{'distinct ' if distinct else ''}{split!r} problems with {lo}-{hi} steps")
 
 
@@ -327,12 +373,13 @@ def answers_only(rec: dict[str, Any]) -> dict[str, Any]:
 
 
 def sft_demonstrations(seed: int, num: int) -> list[dict[str, Any]]:
-  """``num`` easy worked solutions (``easy_sft``) with ``prompt`` and ``completion``: the starting policy's SFT."""
+  """``num`` easy worked solutions (``easy_sft``, rule ``"="``) with ``prompt`` and ``completion``: the
+  starting policy's SFT."""
   return [demonstration(r) for r in generate_examples(seed, num, "easy_sft")]
 
 
 def expert_demonstrations(seed: int, num_shots: int) -> list[dict[str, Any]]:
-  """``D_E``: ``num_shots`` distinct hard problems with ``completion`` = worked solution (``y+``).
+  """``D_E``: ``num_shots`` distinct hard problems (rule ``"?"``) with ``completion`` = worked solution (``y+``).
 
   Drawn sequentially, so a smaller ``num_shots`` gives a prefix of a larger one (64 within 128 within 512).
   """
@@ -342,7 +389,7 @@ def expert_demonstrations(seed: int, num_shots: int) -> list[dict[str, Any]]:
 
 
 def rl_prompts(seed: int, num: int) -> list[dict[str, Any]]:
-  """``D_I``: ``num`` distinct hard problems with answers only (no worked solution)."""
+  """``D_I``: ``num`` hard problems (i.i.d. from the RL bucket) with answers only (no worked solution)."""
   return [answers_only(r) for r in generate_examples(seed, num, "hard_train")]
 
 
@@ -357,7 +404,7 @@ def hard_test(seed: int, num: int) -> list[dict[str, Any]]:
 
 
 def shifted_test(seed: int, num: int) -> list[dict[str, Any]]:
-  """``num`` distinct held-out out-of-distribution problems (longer chains; generate with
+  """``num`` distinct held-out out-of-distribution problems (a longer ``"?"`` chain; generate with
   ``max_new_tokens = completion_budget(SPLIT_STEPS["shifted_test"][1])``)."""
   return list(generate_examples(seed, num, "shifted_test"))
 

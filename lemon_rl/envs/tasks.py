@@ -92,12 +92,13 @@ def arithmetic_task(cfg, data_dir: str) -> Task:
 def fest_math_task(cfg, data_dir: str) -> Task:
   """Chains of one-digit operations with worked solutions (``lemon_rl.envs.multistep_math``), in memory.
 
-  Config fields: ``data_seed`` (every split is a pure function of it), ``num_sft`` (easy 1-2 step worked
-  solutions, ``prompt``/``completion``: the starting policy's SFT), ``num_train`` (``D_I``: hard 4-5 step
-  prompts with answers only), ``num_test`` (held-out hard prompts), ``num_validation`` (hard prompts for
-  tuning, ``multistep_math.hard_validation``), ``num_shots`` (``D_E``: hard prompts with
-  worked solutions, ``expert_source``; 64 shots are a prefix of 128). ``multistep_math.shifted_test`` gives the
-  out-of-distribution set (generate it with ``completion_budget(7)`` tokens). ``data_dir`` is unused.
+  Config fields: ``data_seed`` (every split is a pure function of it), ``num_sft`` (easy worked solutions,
+  1-2 steps under rule ``"="``, ``prompt``/``completion``: the starting policy's SFT), ``num_train``
+  (``D_I``: hard prompts, 2 steps under rule ``"?"``, with answers only), ``num_test`` (held-out hard
+  prompts), ``num_validation`` (hard prompts for tuning, ``multistep_math.hard_validation``), ``num_shots``
+  (``D_E``: hard prompts with worked solutions, ``expert_source``; 64 shots are a prefix of 128).
+  ``multistep_math.shifted_test`` gives the out-of-distribution set (generate it with
+  ``completion_budget(SPLIT_STEPS["shifted_test"][1])`` tokens). ``data_dir`` is unused.
   """
   del data_dir
   from lemon_rl.envs import multistep_math  # pylint: disable=g-import-not-at-top
@@ -113,7 +114,7 @@ def fest_math_task(cfg, data_dir: str) -> Task:
       validation_examples=multistep_math.hard_validation(cfg.data_seed, cfg.num_validation),
       rewards=[WeightedReward("answer", multistep_math.answer_reward, 1.0)],
       eval_reward=multistep_math.answer_reward,
-      # The longest hard solution (43 bytes), one extra line of slack and EOS: 52 tokens.
+      # The longest hard solution (19 bytes), one extra line of slack and EOS: 28 tokens.
       max_new_tokens=multistep_math.completion_budget(hard_steps),
       # SFT padding: the longest easy demonstration and EOS (FEST's expert SFT pads to max_new_tokens).
       max_completion_len=multistep_math.completion_budget(multistep_math.SPLIT_STEPS["easy_sft"][1],

@@ -35,8 +35,10 @@ from lemon_rl.losses import policy_gradient as pg
 Array = jax.Array
 WeightedMetric = ops.WeightedMetric
 
-# *Decision* (METHODS.md section 2): beta1 (all rollouts wrong), beta2 (this one wrong, some
-# right), beta3 (this one right), and the weight c of L_E.
+# beta1 (all rollouts wrong), beta2 (this one wrong, some right), beta3 (this one right): the paper's preset
+# for chains of thousands of tokens, and the weight c of L_E. *Decision* (METHODS.md section 2, revised): a
+# task sets its betas from a pilot of the margin z = r+ - r- so that beta1 * z reaches order 1, with
+# beta1 >= beta2 >= beta3 (configs/fest_math.py records its pilot).
 DEFAULT_BETA1 = 0.005
 DEFAULT_BETA2 = 0.02
 DEFAULT_BETA3 = 0.1
@@ -197,7 +199,7 @@ def weighted_log_likelihood_loss(token_logp: Array, mask: Array, weight: Array, 
 def fest_grpo_sft_term(pos_token_logp: Array, pos_mask: Array, ref_logp_pos: Array,
                        policy_logp_neg: Array, ref_logp_neg: Array, beta, *,
                        aggregation: str = "seq_mean_token_sum", max_len: int | None = None,
-                       valid: Array | None = None
+                       valid: Array | None = None, fixed_weight: bool = False
                        ) -> tuple[WeightedMetric, dict[str, ops.Metric]]:
   """FEST-GRPO's weighted SFT term on the expert: ``L_SFT = -mean_i sg[w_i] log pi(y+_i)``.
 
@@ -210,6 +212,10 @@ def fest_grpo_sft_term(pos_token_logp: Array, pos_mask: Array, ref_logp_pos: Arr
   log-probs, mean over pairs) reproduces the supervised half of the DPO
   gradient exactly; ``token_mean`` etc. rescale it to the token level of GRPO.
 
+  ``fixed_weight=True`` is the ablation that holds ``w_i`` at its value when
+  the policy is the reference (``r+ = r- = 0``): ``w_i = beta_i / 2``, so the
+  weight never decays as the expert becomes likely.
+
   Args:
     pos_token_logp: ``[N, T]`` per-token ``log pi`` of the expert solution of each pair.
     pos_mask: ``[N, T]`` the expert completion's mask.
@@ -219,6 +225,7 @@ def fest_grpo_sft_term(pos_token_logp: Array, pos_mask: Array, ref_logp_pos: Arr
     beta: scalar or ``[N]``.
     aggregation, max_len: how the per-token loss is aggregated.
     valid: optional ``[N]`` mask of real pairs.
+    fixed_weight: hold ``w_i = beta_i / 2`` (the ablation above).
 
   Returns:
     ``(loss, metrics)`` with metrics ``decaying_weight`` and ``reward_margin`` (pair means).
@@ -233,7 +240,7 @@ def fest_grpo_sft_term(pos_token_logp: Array, pos_mask: Array, ref_logp_pos: Arr
   policy_logp_pos = ops.masked_sum(sg(pos_token_logp), pos_mask, axis=-1)
   r_pos = policy_logp_pos - sg(jnp.asarray(ref_logp_pos, jnp.float32))
   r_neg = sg(jnp.asarray(policy_logp_neg, jnp.float32)) - sg(jnp.asarray(ref_logp_neg, jnp.float32))
-  w = sg(decaying_weight(r_pos, r_neg, beta))
+  w = beta / 2 if fixed_weight else sg(decaying_weight(r_pos, r_neg, beta))
   loss = weighted_log_likelihood_loss(pos_token_logp, pos_mask, w, aggregation=aggregation,
                                       max_len=max_len, valid=valid)
   metrics = {

@@ -77,6 +77,7 @@ class FestLoss(SurrogateSettings):
   beta2: float = fest_losses.DEFAULT_BETA2
   beta3: float = fest_losses.DEFAULT_BETA3
   sft_aggregation: str = "seq_mean_token_sum"
+  fixed_weight: bool = False  # FEST-GRPO ablation: w held at beta / 2 (fest_losses.fest_grpo_sft_term).
   sampling: SamplingSettings = SamplingSettings()
 
   def __post_init__(self):
@@ -119,7 +120,7 @@ class FestLoss(SurrogateSettings):
     else:
       expert, expert_metrics = fest_losses.fest_grpo_sft_term(
           logp_pos[group_ids], pos_mask[group_ids], ref_pos, seq_neg, ref_neg, beta,
-          aggregation=self.sft_aggregation, max_len=self.max_len)
+          aggregation=self.sft_aggregation, max_len=self.max_len, fixed_weight=self.fixed_weight)
       rl_term, rl_metrics = self._grpo(
           jnp.concatenate([logp_rl, logp_neg_sampled]),
           jnp.concatenate([rl["old_logp"], ex["neg_old_logp"].reshape(e * g, t - 1)]),
@@ -152,7 +153,8 @@ def fest_loss_from_config(rl_cfg, fest_cfg, algorithm: str) -> FestLoss:
   pg.AGGREGATIONS.validate(fest_cfg.sft_aggregation)
   return FestLoss(**surrogate_fields_from_config(rl_cfg), algorithm=algorithm, c=float(fest_cfg.c),
                   beta1=float(fest_cfg.beta1), beta2=float(fest_cfg.beta2), beta3=float(fest_cfg.beta3),
-                  sft_aggregation=fest_cfg.sft_aggregation, sampling=SamplingSettings.from_config(rl_cfg))
+                  sft_aggregation=fest_cfg.sft_aggregation, fixed_weight=bool(fest_cfg.fixed_weight),
+                  sampling=SamplingSettings.from_config(rl_cfg))
 
 
 def check_config(config) -> None:
@@ -171,6 +173,9 @@ def check_config(config) -> None:
   cc.require(fest.expert_prompts_per_step <= fest.num_shots, "fest.expert_prompts_per_step",
              fest.expert_prompts_per_step, f"must be <= fest.num_shots={fest.num_shots}")
   cc.require_name(pg.AGGREGATIONS, "fest.sft_aggregation", fest.sft_aggregation)
+  cc.require(isinstance(fest.fixed_weight, bool), "fest.fixed_weight", fest.fixed_weight, "must be a bool")
+  cc.require(not (fest.fixed_weight and rl.algorithm == "fest_dpo"), "fest.fixed_weight", fest.fixed_weight,
+             "holds FEST-GRPO's SFT weight; FEST-DPO has no separate weight to hold: use False")
   rows = rl.prompts_per_step * rl.num_generations
   cc.require(not rl.minibatch_size or rl.minibatch_size == rows, "rl.minibatch_size", rl.minibatch_size,
              f"FEST updates on the whole step batch: use 0 (or {rows})")

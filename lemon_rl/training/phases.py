@@ -161,12 +161,25 @@ def sft_phase(ctx: PhaseContext) -> Phase:
   return _sft_phase(ctx, sft, ctx.task.sft_source, ctx.task.max_completion_len, sft.microbatch_size, 0)
 
 
+def expert_sft_source(task, easy_per_shot: int, task_name: str = "") -> list:
+  """The task's expert demonstrations (FEST's ``D_E``) followed by the first ``easy_per_shot * |D_E|`` of its
+  SFT demonstrations: a batch then holds ``1 / (1 + easy_per_shot)`` expert rows in expectation (the mixed-SFT
+  control; 0 = the shots alone)."""
+  expert = task.expert_source
+  if expert is None:
+    raise ValueError(f"expert SFT needs a task with expert demonstrations; task {task_name!r} has none")
+  num_easy = int(easy_per_shot) * len(expert)
+  if not 0 <= num_easy <= len(task.sft_source):
+    raise ValueError(f"expert_sft.easy_per_shot={easy_per_shot} needs {num_easy} SFT demonstrations; task "
+                     f"{task_name!r} has {len(task.sft_source)}")
+  return list(expert) + [task.sft_source[i] for i in range(num_easy)]
+
+
 def expert_sft_phase(ctx: PhaseContext) -> Phase:
-  """SFT on the task's few expert demonstrations (FEST's ``D_E``), padded to the sampling length."""
-  if ctx.task.expert_source is None:
-    raise ValueError(f"config.expert_sft.steps={ctx.config.expert_sft.steps} needs a task with expert "
-                     f"demonstrations; task {ctx.config.task.name!r} has none")
-  return _sft_phase(ctx, ctx.config.expert_sft, ctx.task.expert_source, ctx.task.max_new_tokens, None, 2)
+  """SFT on :func:`expert_sft_source` (``config.expert_sft``), padded to the sampling length."""
+  section = ctx.config.expert_sft
+  source = expert_sft_source(ctx.task, section.get("easy_per_shot", 0), ctx.config.task.name)
+  return _sft_phase(ctx, section, source, ctx.task.max_new_tokens, None, 2)
 
 
 def continued_sft_phase(ctx: PhaseContext) -> Phase:
