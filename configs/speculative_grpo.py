@@ -13,7 +13,10 @@ Arms (the same seeds, prompts and settings; only the sampler differs):
   ``plain``: ``generate``;
   ``speculative``: ``rl.speculative`` on every step (``cost_model = False``), the drafter distilled to the
     policy after every update;
-  ``cost_model``: ``rl.speculative`` with the cost model deciding each step.
+  ``cost_model``: ``rl.speculative`` with the cost model deciding each step;
+  ``ppow_refresh``: ``rl.speculative`` on every step, the drafter refreshed by PPOW (window-level RL on the
+    step's rollouts, the updated policy as the target) every ``ppow_refresh_every`` steps instead of distilled
+    after every update.
 
 Sizes: ``cpu`` (default) and ``tiny`` (a ``configs/stdlib_speculative.py:tiny`` workdir, for the tests).
 """
@@ -22,7 +25,7 @@ from ml_collections import config_dict
 
 from lemon_rl.training.base_config import get_base_config
 
-ARMS = ("plain", "speculative", "cost_model")
+ARMS = ("plain", "speculative", "cost_model", "ppow_refresh")
 
 
 def get_config(size: str = "cpu") -> config_dict.ConfigDict:
@@ -47,6 +50,9 @@ def get_config(size: str = "cpu") -> config_dict.ConfigDict:
   c.rl.speculative.update(dict(
       drafter="eagle", num_draft=1, distill_steps_per_rl_step=1, learning_rate=1e-4, probe_size=8,
       min_probe_acceptance=0.05, acceptance_decay=0.5))
+  c.rl.speculative.ppow.update(dict(steps_per_refresh=2, group_size=4, num_prefixes=8, pool_rows=8,
+                                    verification="expected"))
+  c.ppow_refresh_every = 4  # The ppow_refresh arm's rl.speculative.refresh_every.
   c.prompt_len = 32  # Prompt slots of the training sequences (the heads' bucket).
   # Complete lines a completion needs to earn the reward (lemon_rl.rewards.python_syntax): without it a head
   # ending with its docstring compiles on its own and the policy learns to stop right after it.
@@ -73,6 +79,8 @@ def get_config(size: str = "cpu") -> config_dict.ConfigDict:
   if size == "tiny":
     c.prompts.update(min_tokens=8, max_tokens=63)  # The tiny run's 512-id tokenizer: longer heads.
     c.rl.update(max_new_tokens=16, steps=3)
+    c.rl.speculative.ppow.update(steps_per_refresh=1, num_prefixes=4, pool_rows=4)
+    c.ppow_refresh_every = 2
     c.rl.speculative.update(num_draft=2, learning_rate=1e-3, min_probe_acceptance=0.0)
     c.prompt_len = 64
     c.reward_min_lines = 1

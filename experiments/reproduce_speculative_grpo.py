@@ -56,7 +56,8 @@ from experiments.reports import speculative_grpo as report
 flags.DEFINE_string("workdir", None, "Directory of cached runs.")
 flags.DEFINE_string("init_from", None, "A finished experiments/train_speculative.py workdir (read only).")
 flags.DEFINE_string("seeds", "0,1,2", "Comma-separated seeds.")
-flags.DEFINE_string("arms", "plain,speculative,cost_model", "Comma-separated arms (configs/speculative_grpo.py).")
+flags.DEFINE_string("arms", "plain,speculative,cost_model,ppow_refresh",
+                    "Comma-separated arms (configs/speculative_grpo.py).")
 flags.DEFINE_integer("steps", 0, "GRPO steps per run (0 = the config's rl.steps).")
 flags.DEFINE_string("size", "cpu", "configs/speculative_grpo.py size: cpu or tiny.")
 flags.DEFINE_string("results_file", report.RESULTS_FILE,
@@ -131,6 +132,8 @@ class Setup:
     cfg = self.config.rl.copy_and_resolve_references()
     cfg.speculative.enabled = arm != "plain"
     cfg.speculative.cost_model = arm == "cost_model"
+    if arm == "ppow_refresh":
+      cfg.speculative.update(refresh="ppow", refresh_every=int(self.config.ppow_refresh_every))
     cfg.speculative.seed = seed
     return cfg
 

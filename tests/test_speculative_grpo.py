@@ -174,27 +174,34 @@ def saved(tiny_speculative_run, tmp_path_factory):
   results = str(out / "results.json")
   subprocess.run([sys.executable, "-m", "experiments.reproduce_speculative_grpo", f"--workdir={out / 'work'}",
                   f"--init_from={tiny_speculative_run[0]}", "--size=tiny", "--seeds=0,1", "--steps=2",
-                  "--arms=plain,speculative", f"--results_file={results}"], cwd=ROOT, check=True,
+                  "--arms=plain,speculative,ppow_refresh", f"--results_file={results}"], cwd=ROOT, check=True,
                  capture_output=True)
   with open(results) as f:
     return json.load(f)
 
 
 def test_reproduction_structure_and_report(saved):
-  assert sorted((r["arm"], r["seed"]) for r in saved["runs"]) == [("plain", 0), ("plain", 1),
-                                                                   ("speculative", 0), ("speculative", 1)]
+  assert sorted((r["arm"], r["seed"]) for r in saved["runs"]) == [
+      ("plain", 0), ("plain", 1), ("ppow_refresh", 0), ("ppow_refresh", 1), ("speculative", 0), ("speculative", 1)]
   for r in saved["runs"]:
     assert len(r["curve"]) == 2 and all(row["step_s"] > 0 and row["time/sample_s"] > 0 for row in r["curve"])
     assert 0.0 <= r["test"]["reward_t1"] <= 1.0 and 0.0 <= r["test"]["reward_greedy"] <= 1.0
     assert all(row.get("rollout/speculative_on") == 1.0 and row["rollout/tau"] >= 1.0 for row in r["curve"]
-               ) == (r["arm"] == "speculative")
+               ) == (r["arm"] != "plain")
+    if r["arm"] == "ppow_refresh":  # Refreshed on the first of every two steps (the tiny size's refresh_every).
+      assert [row["drafter/refitted"] for row in r["curve"]] == [1.0, 0.0]
     assert all("rollout/speculative_on" not in row for row in r["curve"]) == (r["arm"] == "plain")
   d = saved["disjointness"]
   assert d["validation_in_train_files"] == d["test_in_train_files"] == d["train_in_test"] == 0
   assert all(c["passed"] for c in saved["headroom"]["checks"])
   family = report.equivalence_family(saved)
-  assert [c.name for c in family] == ["speculative - plain, test reward, T=1",
-                                      "speculative - plain, test validity, greedy"]
+  assert [c.name for c in family][:2] == ["speculative - plain, test reward, T=1",
+                                          "speculative - plain, test validity, greedy"]
+  refresh = report.refresh_family(saved)
+  mean_tau = lambda arm, s: np.mean([row["rollout/tau"] for row in next(
+      r for r in saved["runs"] if r["arm"] == arm and r["seed"] == s)["curve"]])
+  assert list(refresh[0].differences) == pytest.approx(
+      [mean_tau("ppow_refresh", s) - mean_tau("speculative", s) for s in (0, 1)])
   for c, key in zip(family, ("reward_t1", "reward_greedy")):
     by = {(r["arm"], r["seed"]): r["test"][key] for r in saved["runs"]}
     assert list(c.differences) == [by["speculative", s] - by["plain", s] for s in (0, 1)]
@@ -203,3 +210,4 @@ def test_reproduction_structure_and_report(saved):
   assert report.total_ratio(saved, "speculative", "time/sample_s") == pytest.approx(plain / spec)
   text = report.render(saved)
   assert "| speculative | 2 |" in text and "TOST" in text and "target is" in text
+  assert "PPOW refreshes (every 2 steps, 1 PPOW updates each)" in text

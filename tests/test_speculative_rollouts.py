@@ -140,6 +140,18 @@ def test_config_typos_give_clear_errors():
   config.rl.speculative.update(enabled=True, distill_microbatch_size=3)
   with pytest.raises(ConfigError, match="distill_microbatch_size=3: must divide"):
     rl_lib.check_config(config)
+  config = get_base_config()
+  config.rl.speculative.update(refresh="ppow", drafter="transformer")
+  with pytest.raises(ConfigError, match="PPOW trains an EagleHead"):
+    rl_lib.check_config(config)
+  config = get_base_config()
+  config.rl.speculative.ppow.group_sizes = 4
+  with pytest.raises(ConfigError, match=r"rl\.speculative\.ppow\.group_sizes: unknown field; did you mean 'group_s"):
+    rl_lib.check_config(config)
+  config = get_base_config()
+  config.rl.speculative.refresh_every = 0
+  with pytest.raises(ConfigError, match="refresh_every=0: must be an integer >= 1"):
+    rl_lib.check_config(config)
   config.lock()  # locked (as experiment configs are): the typo fails at assignment, naming the key
   with pytest.raises(AttributeError, match="min_probe_acceptence"):
     config.rl.speculative.min_probe_acceptence = 0.1
@@ -323,6 +335,40 @@ def test_refit_guard_fails_a_dropped_drafter_update(tok, monkeypatch):
                                     cost_model=False))
   with pytest.raises(sr.DrafterRefitError, match="no drafter parameter changed"):
     _run(tok, cfg, 1)
+
+
+def test_refit_guard_fails_a_dropped_ppow_refresh(tok, monkeypatch):
+  monkeypatch.setattr(sr.SpeculativeRollouts, "ppow_refresh",
+                      lambda self, state, params, tokens, mask: (state, {"loss": 0.0}))
+  cfg = rl_section(speculative=dict(enabled=True, drafter="eagle", num_draft=2, cost_model=False, refresh="ppow"))
+  with pytest.raises(sr.DrafterRefitError, match=r"no drafter parameter changed after 2 PPOW step\(s\)"):
+    _run(tok, cfg, 1)
+
+
+def test_ppow_refresh_every_second_step_is_lossless(tok):
+  """Greedy GRPO with an EAGLE head refreshed by PPOW on steps 1 and 3 (``refresh_every = 2``): the rollouts
+  equal plain sampling's on every step, the head changes only on refresh steps, and the PPOW metrics and the
+  guard's probe come with each refresh."""
+  steps = 3
+  _, _, plain = _run(tok, rl_section(temperature=0.0), steps)
+  heads = []
+  spec = dict(enabled=True, drafter="eagle", num_draft=2, cost_model=False, refresh="ppow", refresh_every=2,
+              learning_rate=1e-2, ppow=dict(steps_per_refresh=1, group_size=2, num_prefixes=4, pool_rows=4))
+  trainer, _, history = _run(tok, rl_section(temperature=0.0, speculative=spec), steps,
+                             before_step=lambda t, k: heads.append(
+                                 None if k == 0 else jax.tree.map(np.asarray, t.speculative_rollouts.state.params)))
+  heads.append(jax.tree.map(np.asarray, trainer.speculative_rollouts.state.params))
+  for step, ((a, _), (b, metrics)) in enumerate(zip(plain, history)):
+    np.testing.assert_array_equal(a.batch["ids"], b.batch["ids"], err_msg=f"step {step}")
+    refreshed = step % 2 == 0
+    assert metrics["drafter/refitted"] == float(refreshed)
+    assert ("drafter/ppow_loss" in metrics) == ("drafter/probe_acceptance" in metrics) == refreshed
+    if refreshed:
+      assert metrics["drafter/param_change"] > 0 and "drafter/ppow/kl" in metrics
+  same = jax.tree.leaves(jax.tree.map(lambda x, y: bool((x == y).all()), heads[1], heads[2]))
+  assert all(same)  # Step 2 (index 1) did not refresh.
+  assert not all(jax.tree.leaves(jax.tree.map(lambda x, y: bool((x == y).all()), heads[2], heads[3])))
+  assert trainer.speculative_rollouts.refits == 2
 
 
 def test_refit_guard_fails_below_the_probe_acceptance_floor(tok):

@@ -13,7 +13,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from lemon_rl.eval.stats import PairedComparison, format_mean_ci, holm_equivalence
+from lemon_rl.eval.stats import (PairedComparison, format_mean_ci, format_paired_table, holm_equivalence,
+                                 holm_paired_intervals)
 
 TITLE = "Speculative rollouts inside GRPO: the stdlib policy with a Python syntax reward (METHODS.md section 3)"
 RESULTS_FILE = "experiments/results/speculative_grpo/results.json"
@@ -39,6 +40,22 @@ def equivalence_family(saved: Mapping[str, Any]) -> list[PairedComparison]:
   return [PairedComparison(f"{arm} - plain, {label}", +1,
                            [a["test"][key] - p["test"][key] for p, a in _pairs(saved, arm)])
           for arm in saved["arms"] if arm != "plain" for key, label in ENDPOINTS]
+
+
+def refresh_family(saved: Mapping[str, Any]) -> list[PairedComparison]:
+  """PPOW refreshes against per-step distillation, per seed (both speculate on every step): the rollouts'
+  mean ``tau`` (PPOW aims higher) and the total step seconds saved (``speculative`` minus ``ppow_refresh``:
+  a refresh every few steps aims to cost less); ``[]`` unless both arms ran."""
+  if not {"speculative", "ppow_refresh"} <= set(saved["arms"]):
+    return []
+  pairs = [(_run(saved, "speculative", s), _run(saved, "ppow_refresh", s)) for s in saved["seeds"]]
+  pairs = [(d, p) for d, p in pairs if d is not None and p is not None]
+  mean_tau = lambda r: float(np.mean([row["rollout/tau"] for row in r["curve"]]))
+  total_s = lambda r: float(sum(row["step_s"] for row in r["curve"]))
+  return [PairedComparison("ppow_refresh - speculative, mean rollout tau", +1,
+                           [mean_tau(p) - mean_tau(d) for d, p in pairs]),
+          PairedComparison("speculative - ppow_refresh, total step seconds", +1,
+                           [total_s(d) - total_s(p) for d, p in pairs])]
 
 
 def step_ratios(saved: Mapping[str, Any], arm: str, key: str) -> np.ndarray:
@@ -122,4 +139,10 @@ def render(saved: Mapping[str, Any]) -> str:
       "",
       "Speed: " + "; ".join(speed) + ".",
   ]
+  refresh = refresh_family(saved)
+  if refresh:
+    lines += ["", f"PPOW refreshes (every {c['ppow_refresh_every']} steps, {spec['ppow']['steps_per_refresh']} "
+              f"PPOW updates each) against distillation after every update, paired by seed, Holm over "
+              f"{len(refresh)} at familywise {saved['family_alpha']:g}:", "",
+              *format_paired_table(holm_paired_intervals(refresh, saved["family_alpha"]))]
   return "\n".join(lines)

@@ -98,6 +98,8 @@ def get_base_config() -> config_dict.ConfigDict:
   s.drafter_preset = "tiny"  # transformer: lemon_rl.models preset (its vocabulary becomes the policy's).
   s.drafter_num_layers = 0  # transformer: blocks (0 = the preset's).
   s.num_draft = 4  # K, tokens drafted per verification.
+  s.refresh = "distill"  # How the drafter follows the policy: distill (token level) | ppow (window RL, eagle).
+  s.refresh_every = 1  # Refresh on every N-th step that needs one (the refresh cost is charged per step / N).
   s.distill_steps_per_rl_step = 1  # Drafter optimizer steps on each step's rollouts, after the policy update.
   s.learning_rate = 1e-3  # Drafter AdamW learning rate (constant).
   s.distill_microbatch_size = 0  # Rows per gradient-accumulation slice of a distillation step (0 = all rows).
@@ -108,6 +110,18 @@ def get_base_config() -> config_dict.ConfigDict:
   s.min_speedup = 1.0
   s.acceptance_decay = 0.5  # EMA weight of the old running acceptance (the cost model's tau).
   s.seed = 0  # Drafter initialisation.
+  # refresh = ppow: PPOW steps (lemon_rl.training.ppow_training) on the step's rollout sequences, the updated
+  # policy as the frozen target; windows of num_draft tokens, the PPOWConfig fields of the same names.
+  s.ppow = p = config_dict.ConfigDict()
+  p.steps_per_refresh = 2  # PPOW updates per refresh (each collects its own windows).
+  p.group_size = 4  # G_roll windows per prefix.
+  p.num_prefixes = 8
+  p.pool_rows = 16  # Rollout rows scored per PPOW step.
+  p.verification = "expected"  # Accepted length of the reward: greedy | sampling | expected.
+  p.gamma = 0.12
+  p.use_dist_reward = True
+  p.beta = 0.01  # KL(Q || P) weight.
+  p.adaw = True
 
   c.eval = config_dict.ConfigDict()
   c.eval.num_examples = 500  # Held-out problems scored greedily.

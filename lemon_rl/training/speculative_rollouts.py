@@ -92,11 +92,14 @@ from lemon_rl.sampling import distribution, speculative
 from lemon_rl.sampling.sampler import SampleOutput, prompt_bucket
 from lemon_rl.training import base_config
 from lemon_rl.training import distributed
+from lemon_rl.losses import ppow as ppow_losses
 from lemon_rl.training import drafter_training
+from lemon_rl.training import ppow_training
 from lemon_rl.training import state as state_lib
 from lemon_rl.utils import config_checks as cc
 
 DRAFTERS = ("eagle", "transformer")
+REFRESHES = ("distill", "ppow")
 
 
 def default_config() -> config_dict.ConfigDict:
@@ -110,14 +113,25 @@ def check_config(rl) -> None:
     return
   spec = rl.speculative
   known = default_config()
-  for key in spec.keys():
-    if key not in known:
-      close = difflib.get_close_matches(key, list(known.keys()), n=1)
-      hint = f"; did you mean {close[0]!r}?" if close else ""
-      raise cc.ConfigError(f"config.rl.speculative.{key}: unknown field{hint} (known: {', '.join(known.keys())})")
+  for prefix, section, defaults in (("", spec, known), ("ppow.", spec.get("ppow", {}), known.ppow)):
+    for key in section.keys():
+      if key not in defaults:
+        close = difflib.get_close_matches(key, list(defaults.keys()), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise cc.ConfigError(f"config.rl.speculative.{prefix}{key}: unknown field{hint} (known: "
+                             f"{', '.join(defaults.keys())})")
   for key in ("enabled", "cost_model"):
     cc.require(isinstance(spec[key], bool), f"rl.speculative.{key}", spec[key], "must be True or False")
   cc.require_choice(DRAFTERS, "rl.speculative.drafter", spec.drafter)
+  cc.require_choice(REFRESHES, "rl.speculative.refresh", spec.refresh)
+  cc.require(spec.refresh != "ppow" or spec.drafter == "eagle", "rl.speculative.refresh", spec.refresh,
+             f"PPOW trains an EagleHead: needs rl.speculative.drafter='eagle', not {spec.drafter!r}")
+  cc.require(isinstance(spec.refresh_every, int) and spec.refresh_every >= 1, "rl.speculative.refresh_every",
+             spec.refresh_every, "must be an integer >= 1")
+  if spec.refresh == "ppow":
+    cc.require_positive(spec.ppow, "rl.speculative.ppow", "steps_per_refresh", "group_size", "num_prefixes",
+                        "pool_rows")
+    cc.require_choice(ppow_losses.VERIFICATIONS, "rl.speculative.ppow.verification", spec.ppow.verification)
   cc.require_choice(preset_names(), "rl.speculative.drafter_preset", spec.drafter_preset)
   cc.require_positive(spec, "rl.speculative", "num_draft", "distill_steps_per_rl_step", "learning_rate",
                       "probe_size", "min_speedup")
@@ -429,7 +443,16 @@ class SpeculativeRollouts:
     self._shape: tuple[int, int] | None = None
     self._calls: list[dict[str, Any]] = []
     self.refits = 0
-    self.refit_s: float | None = None  # Seconds of the last refit (distillation, probe) that compiled nothing.
+    self.refit_s: float | None = None  # Seconds of the last refit (refresh, probe) that compiled nothing.
+    self._eligible = 0  # Steps that needed a refit so far: every refresh_every-th one refreshes.
+    self._ppow_updates = 0
+    self._ppow_cfg = None
+    if cfg.refresh == "ppow":
+      p = cfg.ppow
+      self._ppow_cfg = ppow_training.PPOWConfig(
+          num_draft=self.num_draft, group_size=int(p.group_size), num_prefixes=int(p.num_prefixes),
+          pool_rows=int(p.pool_rows), verification=str(p.verification), gamma=float(p.gamma),
+          use_dist_reward=bool(p.use_dist_reward), beta=float(p.beta), adaw=bool(p.adaw))
     self._decode_steps = 0  # max_new_tokens of the last call.
 
   # -- the drafter ---------------------------------------------------------------------------------------
@@ -471,7 +494,8 @@ class SpeculativeRollouts:
     tau = self.predicted_tau()
     if tau is None or self.costs is None:
       return False, None
-    speculate = should_speculate(tau, self.costs, float(self.cfg.min_speedup), self._decode_steps, self.refit_s)
+    refit_s = None if self.refit_s is None else self.refit_s / int(self.cfg.refresh_every)  # Per step.
+    speculate = should_speculate(tau, self.costs, float(self.cfg.min_speedup), self._decode_steps, refit_s)
     return speculate, predicted_speedup(tau, self.costs)
 
   def __call__(self, model: Transformer, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int,
@@ -545,6 +569,27 @@ class SpeculativeRollouts:
           optimizer=self.optimizer, num_microbatches=rows // micro)
     return state, values
 
+  def ppow_refresh(self, state, policy_params, tokens: np.ndarray, mask: np.ndarray):
+    """``ppow.steps_per_refresh`` PPOW updates of the :class:`EagleHead` (``ppow_training.collect`` then
+    ``update``) on ``pool_rows`` of the packed rollout ``tokens, mask [N, T]`` per update, the policy
+    ``policy_params`` as the frozen target; returns ``(new drafter state, metrics of the last update)``.
+    Pools and keys depend on the refresh count and ``seed`` only."""
+    cfg = self._ppow_cfg
+    usable = np.flatnonzero(mask.sum(axis=1) >= cfg.min_prefix + cfg.num_draft + 1)
+    if not len(usable):
+      raise ValueError(f"no rollout sequence holds a PPOW window of {cfg.num_draft} tokens after a prefix")
+    values, metrics = {}, {}
+    for _ in range(int(self.cfg.ppow.steps_per_refresh)):
+      n, seed = self._ppow_updates, int(self.cfg.seed)
+      self._ppow_updates += 1
+      rows = usable[ppow_training.pool_indices(len(usable), cfg.pool_rows, n, seed)]
+      key = jax.random.fold_in(jax.random.key(seed), n)
+      batch, metrics = ppow_training.collect(self.drafter_def, state.params, self.policy_graphdef, policy_params,
+                                             jnp.asarray(tokens[rows]), jnp.asarray(mask[rows]), key, cfg=cfg)
+      state, values = ppow_training.update(self.drafter_def, state, self.policy_graphdef, policy_params, batch,
+                                           cfg=cfg, optimizer=self.optimizer)
+    return state, {**ops.metric_values(metrics), **values}
+
   def probe_acceptance(self, policy_params) -> np.ndarray:
     """``[K]`` per-position acceptance ``a_k = prod_{j<=k} alpha_j`` of the drafter on the probe batch."""
     s = self.sampling
@@ -580,20 +625,25 @@ class SpeculativeRollouts:
       self.probe = (tokens[:int(self.cfg.probe_size)], mask[:int(self.cfg.probe_size)])
     if self.cfg.cost_model and not speculated and self.refit_s is not None:
       return {**metrics, "drafter/refitted": 0.0}  # A plain step: nothing drafted, nothing to pay for.
-    compiled, refit_start = _compile_count(drafter_training.update_step, _probe), time.perf_counter()
-    metrics.update(self._distill_and_check(policy_params, tokens, mask))
+    self._eligible += 1
+    if (self._eligible - 1) % int(self.cfg.refresh_every):  # Between refreshes: only the running acceptance.
+      if measured is not None:
+        self._update_acceptance(measured)
+      return {**metrics, "drafter/refitted": 0.0}
+    jitted = (_probe, *((ppow_training.collect, ppow_training.update) if self._ppow_cfg
+                        else (drafter_training.update_step,)))
+    compiled, refit_start = _compile_count(*jitted), time.perf_counter()
+    metrics.update(self._refresh_and_check(policy_params, tokens, mask))
     probe = self.probe_acceptance(policy_params)
-    if compiled is not None and _compile_count(drafter_training.update_step, _probe) == compiled:
-      self.refit_s = time.perf_counter() - refit_start  # Distillation and probe, nothing compiled.
+    if compiled is not None and _compile_count(*jitted) == compiled:
+      self.refit_s = time.perf_counter() - refit_start  # Refresh and probe, nothing compiled.
     acceptance = float(probe.mean())
     if not acceptance > self.cfg.min_probe_acceptance:
       raise DrafterRefitError(
           f"drafter refit {self.refits}: probe acceptance {acceptance:.4f} (accepted / drafted tokens on the "
           f"fixed probe batch, per position {np.round(probe, 4).tolist()}) is not above "
           f"rl.speculative.min_probe_acceptance={self.cfg.min_probe_acceptance}")
-    observed = measured if measured is not None else probe
-    decay = float(self.cfg.acceptance_decay)
-    self.acceptance = observed if self.acceptance is None else decay * self.acceptance + (1 - decay) * observed
+    self._update_acceptance(measured if measured is not None else probe)
     if self.cfg.cost_model and self.costs is None:  # Once, after the first step (outside any rollout's time).
       measure_start = time.perf_counter()
       policy = nnx.merge(self.policy_graphdef, policy_params)
@@ -606,20 +656,30 @@ class SpeculativeRollouts:
     metrics.update({f"drafter/probe_accept_pos_{k}": float(a) for k, a in enumerate(probe)})
     return metrics
 
-  def _distill_and_check(self, policy_params, tokens: np.ndarray, mask: np.ndarray) -> dict[str, float]:
-    """:meth:`distill` on the packed rollout and the guard's parameter-change check."""
-    old = jax.tree.map(jnp.copy, self.state.params)  # update_step donates its state
-    self.state, values = self.distill(self.state, policy_params, {"tokens": jnp.asarray(tokens),
-                                                                  "mask": jnp.asarray(mask)})
+  def _update_acceptance(self, observed: np.ndarray) -> None:
+    decay = float(self.cfg.acceptance_decay)
+    self.acceptance = observed if self.acceptance is None else decay * self.acceptance + (1 - decay) * observed
+
+  def _refresh_and_check(self, policy_params, tokens: np.ndarray, mask: np.ndarray) -> dict[str, float]:
+    """:meth:`distill` or :meth:`ppow_refresh` on the packed rollout and the guard's parameter-change check."""
+    old = jax.tree.map(jnp.copy, self.state.params)  # Both updates donate their state.
+    if self._ppow_cfg is None:
+      self.state, values = self.distill(self.state, policy_params, {"tokens": jnp.asarray(tokens),
+                                                                    "mask": jnp.asarray(mask)})
+      what, metrics = f"{self.cfg.distill_steps_per_rl_step} distillation step(s)", {}
+    else:
+      self.state, values = self.ppow_refresh(self.state, policy_params, tokens, mask)
+      what = f"{self.cfg.ppow.steps_per_refresh} PPOW step(s)"
+      metrics = {f"drafter/ppow/{k}": float(v) for k, v in jax.device_get(values).items() if np.ndim(v) == 0}
     changed, relative = jax.device_get(_changed(old, self.state.params))
     self.refits += 1
     if not changed:
       raise DrafterRefitError(
-          f"drafter refit {self.refits}: no drafter parameter changed after "
-          f"{self.cfg.distill_steps_per_rl_step} distillation step(s); the update was dropped (NeMo-RL #2646: "
-          f"a drafter whose weights never reach the rollout sampler); refusing to continue")
+          f"drafter refit {self.refits}: no drafter parameter changed after {what}; the update was dropped "
+          "(NeMo-RL #2646: a drafter whose weights never reach the rollout sampler); refusing to continue")
     values = jax.device_get(values)
-    return {"drafter/distill_loss": float(values["loss"]), "drafter/param_change": float(relative)}
+    return {**metrics, f"drafter/{self.cfg.refresh}_loss": float(values["loss"]),
+            "drafter/param_change": float(relative)}
 
 
 def _compile_count(*functions) -> int | None:
