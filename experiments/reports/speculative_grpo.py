@@ -119,7 +119,10 @@ def render(saved: Mapping[str, Any]) -> str:
       f"{c['reward_min_lines']} complete lines (`lemon_rl.rewards.python_syntax`). "
       f"Speculative arms: the spec run's EAGLE-3 head as the start drafter, `K = {spec['num_draft']}`, "
       f"distilled to the policy after every update; `speculative` drafts on every step, `cost_model` when "
-      f"the measured costs predict a gain. Test evaluation with plain `generate`, the same key for every arm: "
+      f"the measured costs predict a gain"
+      + (f"; `ppow_refresh` drafts on every step with the drafter refreshed by PPOW every "
+         f"{c['ppow_refresh_every']} steps instead" if "ppow_refresh" in saved["arms"] else "")
+      + ". Test evaluation with plain `generate`, the same key for every arm: "
       f"{c['eval']['samples_per_prompt']} samples per test prompt at T=1 and one greedy. Speedups are "
       f"`plain / arm` of the total seconds over the same seeds and steps (after a warm-up run compiled "
       f"everything), with the median of the per-step ratios; the step includes the drafter's refit.",

@@ -89,8 +89,9 @@ def get_base_config() -> config_dict.ConfigDict:
   c.rl.dynamic_sampling = False
   c.rl.dynamic_sampling_max_rounds = 3
   # Speculative rollouts (lemon_rl.training.speculative_rollouts; off by default): the shared rollout samples
-  # with speculative_generate, the policy as target and a drafter distilled to it after every update, checked
-  # by a refit guard, switched off for a step by a cost model when it would not pay.
+  # with speculative_generate, the policy as target and a drafter kept in step with it (distilled after every
+  # update, or refreshed by PPOW), checked by a refit guard, switched off for a step by a cost model when it
+  # would not pay.
   c.rl.speculative = s = config_dict.ConfigDict()
   s.enabled = False
   s.drafter = "eagle"  # eagle (an EagleHead on the policy's features) | transformer (a small Transformer).

@@ -25,11 +25,18 @@ training-time test over ``ttt_steps`` drafting steps) for ``eagle``; for ``trans
 position. Both go through :func:`lemon_rl.training.drafter_training.update_step`, whose gradient touches the
 drafter only (the policy enters as a constant). *Decision*: the drafter does not learn from prompts only;
 every real token of the rollout sequences, prompt included, is a distillation position (the completions are
-what it drafts, the prompts are the context it must read). PPOW refreshes (window-level RL,
-``lemon_rl.training.ppow_training``) are not wired here.
+what it drafts, the prompts are the context it must read).
+
+**PPOW refresh** (``refresh = "ppow"``, ``eagle`` only): instead, ``ppow.steps_per_refresh`` PPOW updates
+(window-level RL, :mod:`lemon_rl.training.ppow_training`, METHODS.md section 3): windows of ``K`` tokens drafted
+at temperature 1 after prefixes of ``ppow.pool_rows`` rollout sequences, rewarded by their accepted length under
+the updated policy (the frozen target), ``ppow.group_size`` windows per prefix, ADAW prefix choice, the clipped
+window surrogate minus ``beta KL(Q || P)``, with the drafter's optimizer. With either refresh,
+``refresh_every = N`` refreshes on every ``N``-th step that needs one (the first one included) and leaves the
+drafter as it is in between, where only the running acceptance follows the measured rollouts.
 
 **Refit guard** (no anchor has one; NeMo-RL #2646 is a run whose drafter weights were silently dropped).
-After every distillation: (1) some drafter parameter must differ from its value before the refresh, else
+After every refresh: (1) some drafter parameter must differ from its value before the refresh, else
 :class:`DrafterRefitError`; (2) the drafter's acceptance on a fixed probe batch (``probe_size`` rows of the
 first step's rollout sequences, kept for the whole run) must exceed ``min_probe_acceptance``, else
 :class:`DrafterRefitError`. The probe is teacher-forced: :func:`window_acceptance` gives the acceptance
@@ -46,8 +53,8 @@ emits ``tau`` tokens per ``c + v`` seconds and plain sampling one per ``t``::
     speedup = tau * t / (c + v)          (= tau / (1 + K gamma) when v = t and c = K gamma t)
 
 with ``tau = 1 + sum_k a_k`` from the running per-position acceptance ``a`` (:func:`expected_tau`). Keeping
-the drafter in step costs ``r`` seconds a step (the last refit's distillation and probe that compiled
-nothing), so a step
+the drafter in step costs ``r`` seconds a step (the last refit's refresh and probe that compiled nothing,
+divided by ``refresh_every``), so a step
 speculates iff ``speedup > min_speedup`` and the rollout's predicted saving pays for the refit,
 ``N t (1 - 1 / speedup) > r`` (``N = max_new_tokens`` decode steps; :func:`should_speculate`); a step that
 sampled plainly once ``r`` is known does no refit at all (no distillation, no probe), so with the cost model
@@ -85,6 +92,7 @@ from flax import nnx
 from ml_collections import config_dict
 
 from lemon_rl import ops
+from lemon_rl.losses import ppow as ppow_losses
 from lemon_rl.models.config import get_preset, preset_names
 from lemon_rl.models.drafter import EagleDrafter, EagleHead, shift_left
 from lemon_rl.models.transformer import Transformer
@@ -92,7 +100,6 @@ from lemon_rl.sampling import distribution, speculative
 from lemon_rl.sampling.sampler import SampleOutput, prompt_bucket
 from lemon_rl.training import base_config
 from lemon_rl.training import distributed
-from lemon_rl.losses import ppow as ppow_losses
 from lemon_rl.training import drafter_training
 from lemon_rl.training import ppow_training
 from lemon_rl.training import state as state_lib
