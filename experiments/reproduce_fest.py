@@ -151,10 +151,7 @@ def run_one(arm: str, seed: int, lr: float | None) -> dict[str, Any]:
 
 def gate(start: dict[str, Any], config) -> headroom.HeadroomReport:
   """The step-0 gate on the start's validation scores (``config.headroom``); never raises here."""
-  k = config.eval.num_samples
-  statistics = {"hard_validation_pass_at_k": start["final"][f"validation/pass@{k}"],
-                "hard_validation_all_wrong": start["final"]["validation/all_wrong"],
-                "easy_accuracy": start["final"]["easy/accuracy"]}
+  statistics = report.gate_statistics(start["final"], config.eval.num_samples)
   thresholds = headroom.HeadroomGate.from_config(config.headroom).thresholds
   return headroom.check_headroom(statistics, thresholds, raise_on_failure=False)
 

@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from configs import fest_math
-from experiments import reproduce_fest
 from experiments.reports import fest as report
+from lemon_rl.eval import headroom
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--size=tiny", "--seeds=0,1", "--learning_rates=1e-4,3e-3", "--arms=grpo,fest_grpo"]
@@ -73,13 +73,16 @@ def test_report_renders_the_run(run):
 
 
 def test_gate_names_what_failed():
+  """The config's thresholds name exactly the statistics the reproduction computes (experiments/reproduce_fest.py
+  imports flags, so the test reads the same two pieces it combines)."""
   config = fest_math.get_config("fest_grpo")
-  start = {"final": {"validation/pass@8": 0.5, "validation/all_wrong": 0.3, "easy/accuracy": 0.95}}
-  gate = reproduce_fest.gate(start, config)
+  thresholds = headroom.HeadroomGate.from_config(config.headroom).thresholds
+  final = {"validation/pass@8": 0.5, "validation/all_wrong": 0.3, "easy/accuracy": 0.95}
+  gate = headroom.check_headroom(report.gate_statistics(final, 8), thresholds, raise_on_failure=False)
   assert not gate.passed
   assert {c.statistic for c in gate.failures} == {"hard_validation_pass_at_k", "hard_validation_all_wrong"}
-  start["final"].update({"validation/pass@8": 0.05, "validation/all_wrong": 0.9})
-  assert reproduce_fest.gate(start, config).passed
+  final.update({"validation/pass@8": 0.05, "validation/all_wrong": 0.9})
+  assert headroom.check_headroom(report.gate_statistics(final, 8), thresholds).passed
 
 
 def _saved(fest_gain: float) -> dict:

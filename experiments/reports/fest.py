@@ -30,6 +30,13 @@ DIRECTIONS = (("fest_grpo", "grpo"), ("fest_dpo", "grpo"), ("fest_grpo", "mixed_
               ("fest_grpo", "shots_sft_grpo"), ("fest_grpo", "fest_dpo"), ("fest_grpo", "fest_grpo_fixed_w"))
 
 
+def gate_statistics(start_final: Mapping[str, float], k: int) -> dict[str, float]:
+  """The step-0 gate's statistics from the start's final scores (``config.headroom`` names them)."""
+  return {"hard_validation_pass_at_k": start_final[f"validation/pass@{k}"],
+          "hard_validation_all_wrong": start_final["validation/all_wrong"],
+          "easy_accuracy": start_final["easy/accuracy"]}
+
+
 def _final(saved, arm: str, seed: int) -> Mapping[str, float] | None:
   for r in saved["runs"]:
     if r["arm"] == arm and r["seed"] == seed:
