@@ -29,9 +29,10 @@ def _run(saved: Mapping[str, Any], arm: str, seed: int) -> Mapping[str, Any] | N
   return next((r for r in saved["runs"] if r["arm"] == arm and r["seed"] == seed), None)
 
 
-def _pairs(saved: Mapping[str, Any], arm: str) -> list[tuple[Mapping[str, Any], Mapping[str, Any]]]:
-  """``(plain run, arm run)`` of every seed both ran."""
-  pairs = [(_run(saved, "plain", s), _run(saved, arm, s)) for s in saved["seeds"]]
+def _pairs(saved: Mapping[str, Any], arm: str,
+           base: str = "plain") -> list[tuple[Mapping[str, Any], Mapping[str, Any]]]:
+  """``(base run, arm run)`` of every seed both ran."""
+  pairs = [(_run(saved, base, s), _run(saved, arm, s)) for s in saved["seeds"]]
   return [(p, a) for p, a in pairs if p and a]
 
 
@@ -48,8 +49,7 @@ def refresh_family(saved: Mapping[str, Any]) -> list[PairedComparison]:
   a refresh every few steps aims to cost less); ``[]`` unless both arms ran."""
   if not {"speculative", "ppow_refresh"} <= set(saved["arms"]):
     return []
-  pairs = [(_run(saved, "speculative", s), _run(saved, "ppow_refresh", s)) for s in saved["seeds"]]
-  pairs = [(d, p) for d, p in pairs if d is not None and p is not None]
+  pairs = _pairs(saved, "ppow_refresh", base="speculative")
   mean_tau = lambda r: float(np.mean([row["rollout/tau"] for row in r["curve"]]))
   total_s = lambda r: float(sum(row["step_s"] for row in r["curve"]))
   return [PairedComparison("ppow_refresh - speculative, mean rollout tau", +1,

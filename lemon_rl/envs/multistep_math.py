@@ -23,7 +23,7 @@ give another answer (or leave the value range), so the answer is right only if t
 operations from the right) is. Worked ``"?"`` solutions, which few-shot expert data (``D_E``) supplies, teach
 exactly that piece. SHIFTED chains (3 steps, rule ``"?"``) test it one step beyond every trained length.
 
-Measured (pilot, seed 0, the ``tiny`` preset of ``configs/fest_math.py``, 128 validation problems, 8 samples at
+Measured (pilot, seed 0, ``configs/fest_math.py`` with its ``tiny`` model preset, 128 validation problems, 8 samples at
 temperature 1): after the easy SFT (500 steps x 128) easy chains are solved greedily at 0.94 and the hard
 set at Avg@8 0.003, Pass@8 0.023 (the lines written after a ``"?"`` are mostly not arithmetic); 100 SFT steps
 x 32 on 128 worked ``"?"`` solutions give Avg@8 0.22, Pass@8 0.50 (easy greedy 0.07: forgotten), 200 steps
