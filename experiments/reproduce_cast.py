@@ -1,24 +1,35 @@
-r"""Reproduces the CAST experiment: SFT once per seed, then every RL variant from it; writes experiments/results/cast/.
+r"""Reproduces the CAST experiment (issue 10's discipline); writes experiments/results/cast/.
 
-    python -m experiments.reproduce_cast [--seeds=0,1,2] [--root=/tmp/cast_repro] \
-        [--variants=grpo,cast,cast_no_budget,cast_no_schema,cast_hard_to_easy] [--set=rl.steps=20 ...]
+    python -m experiments.reproduce_cast --seeds=0,1,2,3,4 --sft-seed=0 --learning_rates=3e-5,1e-4 \
+        [--root=/tmp/cast_repro] [--variants=grpo,cast,...] [--workers=2] [--set=rl.steps=20 ...]
 
-Per seed: the ``sft_only`` variant of ``configs/cast_tool_use.py`` runs in ``<root>/seed<s>/sft_only``; its
-``checkpoints/sft`` is copied into each RL variant's workdir, so the runner restores it and skips SFT
-(every variant starts from the same SFT policy). ``--sft-seed=k`` runs SFT once (seed ``k``) and starts
-every seed's RL from it (seeds then vary the RL sampling, data order and case library only). The case library depends only on the SFT parameters and
-the seed, so the first ``cast*`` variant samples it and the others reuse a copy of ``cases/``. Runs are in
-process, one after the other; a finished run (``summary.json`` present) is not rerun, an interrupted one
-resumes. Then the collected runs go to ``experiments/results/cast/results.json`` (committed), the plots next to
-it, and ``experiments/RESULTS.md`` is regenerated (:mod:`experiments.results_md`; the section is rendered by
-:mod:`experiments.reports.cast`: held-out metrics as mean +- 95% t-interval over the seeds, wall times, the case
-libraries and the paper's directions with Holm-corrected paired intervals).
+1. **SFT** (``sft_only`` variant of ``configs/cast_tool_use.py``) once per seed in ``<root>/seed<s>/sft_only``,
+   or once with ``--sft-seed`` and shared by every seed (the seeds then vary RL sampling, data order and the
+   case library only; the section says so).
+2. **Step-0 headroom gate** on the first seed's SFT policy (``config.headroom``, fixed before the run):
+   ``rl.num_generations`` samples of each of the first ``headroom.num_prompts`` validation queries,
+   statistics of :func:`lemon_rl.envs.tool_use_task.gate_statistics`. A failed gate stops the script.
+3. **Tuning on validation**: on the first seed every RL variant runs once per ``--learning_rates`` value (the
+   same trials for every variant); the learning rate with the best greedy validation exact match is chosen
+   per variant and recorded with :mod:`lemon_rl.eval.tuning` (``<root>/tuning.json``).
+4. **The other seeds** at the chosen learning rates.
+
+Each RL run starts from a copy of its seed's SFT checkpoint in ``<root>/seed<s>/<variant>_lr<lr>`` (the runner
+restores it and skips SFT). The case library depends only on the SFT parameters and the seed, so a ``cast*``
+run reuses a finished sibling's ``cases/cases.jsonl``. A finished run (``summary.json``) is read back, an
+interrupted one resumes; ``--workers=2`` runs two RL runs at a time in separate processes. The collected runs
+go to ``experiments/results/cast/results.json`` (committed), the plots next to it, and
+``experiments/RESULTS.md`` is regenerated (:mod:`experiments.results_md`; the section is rendered by
+:mod:`experiments.reports.cast`: the gate, the tuning table, held-out metrics as mean +- 95% t-interval over the
+seeds, and the paper's directions with Holm-corrected paired intervals).
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import multiprocessing
 import os
 import shlex
 import shutil
@@ -28,25 +39,28 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from experiments import machine
 from experiments import results_md
 from experiments.reports import cast as report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "cast_tool_use.py")
 RL_VARIANTS = ("grpo", "cast", "cast_no_budget", "cast_no_schema", "cast_hard_to_easy")
+TUNING_SPLIT, TUNING_METRIC = "validation", "validation/accuracy"
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Running.
 
 
-def load_config(variant: str, seed: int, overrides: Sequence[str]):
-  """The variant's config with ``seed`` and ``key=value`` overrides (values parsed as Python/JSON literals)."""
+def load_config(variant: str, seed: int, overrides: Sequence[str], size: str = ""):
+  """The variant's config (at ``size``, e.g. ``"tiny"``) with ``seed`` and ``key=value`` overrides (values
+  parsed as Python/JSON literals)."""
   import importlib.util  # pylint: disable=g-import-not-at-top
   spec = importlib.util.spec_from_file_location("cast_tool_use_config", CONFIG)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  config = module.get_config(variant)
+  config = module.get_config(f"{variant},{size}" if size else variant)
   config.seed = seed
   for item in overrides:
     key, _, raw = item.partition("=")
@@ -62,16 +76,43 @@ def load_config(variant: str, seed: int, overrides: Sequence[str]):
   return config
 
 
-def run_variant(variant: str, seed: int, workdir: str, overrides: Sequence[str]) -> dict[str, Any]:
-  """Runs (or resumes, or skips when finished) one variant; returns its summary."""
+def validation_scores(model, task, config) -> dict[str, float]:
+  """Greedy exact match and think length on the first ``eval.num_examples`` validation queries (tuning)."""
+  from lemon_rl.eval.generation import evaluate  # pylint: disable=g-import-not-at-top
+  metrics, _ = evaluate(model, task.tokenizer, task.validation_examples[:config.eval.num_examples], task.eval_reward,
+                        task.max_new_tokens, batch_size=config.eval.batch_size)
+  return {TUNING_METRIC: float(metrics["accuracy"]), "validation/think_len": float(metrics["think_len"])}
+
+
+def gate_scores(model, task, config) -> dict[str, float]:
+  """The gate's statistics of the policy (``config.headroom``; :func:`tool_use_task.gate_statistics`)."""
+  from lemon_rl.envs import tool_use_task as tut  # pylint: disable=g-import-not-at-top
+  rollout = tut.headroom_rollout(model, task.tokenizer, task.validation_examples[:config.headroom.num_prompts],
+                                 config.rl.num_generations, task.max_new_tokens, seed=10_000 + config.seed,
+                                 temperature=config.task.cast.temperature,
+                                 batch_size=config.task.cast.rollout_batch_size)
+  return tut.gate_statistics(rollout)
+
+
+FINAL_EVALS = {"validation": validation_scores, "gate": gate_scores}
+
+
+def run_variant(variant: str, seed: int, workdir: str, overrides: Sequence[str],
+                final_eval: str | None = None, size: str = "") -> dict[str, Any]:
+  """Runs (or resumes, or reads back when finished) one variant; returns its summary.
+
+  ``final_eval``: a name in :data:`FINAL_EVALS`, scoring the final policy into ``summary["final_eval"]``.
+  """
   from lemon_rl.training import experiment  # pylint: disable=g-import-not-at-top
   summary_path = os.path.join(workdir, "summary.json")
   if os.path.exists(summary_path):
     with open(summary_path) as f:
       return json.load(f)
-  print(f"=== seed {seed}: {variant} -> {workdir}", flush=True)
+  print(f"=== seed {seed}: {variant} {' '.join(overrides)} -> {workdir}", flush=True)
   t0 = time.time()
-  summary = experiment.run(load_config(variant, seed, overrides), workdir)
+  config = load_config(variant, seed, overrides, size)
+  score = None if final_eval is None else (lambda model, task: FINAL_EVALS[final_eval](model, task, config))
+  summary = experiment.run(config, workdir, final_eval=score)
   summary["process_wall_s"] = round(time.time() - t0, 1)
   with open(summary_path, "w") as f:
     json.dump(summary, f, indent=2)
@@ -101,23 +142,57 @@ def reseed_sft_checkpoint(directory: str, seed: int) -> None:
       json.dump(meta, f)
 
 
-def run_seed(seed: int, root: str, variants: Sequence[str], overrides: Sequence[str],
-             sft_seed: int | None = None) -> None:
-  """SFT of ``seed`` (or of ``sft_seed``, shared by every seed, when given), then each RL variant."""
-  base = os.path.join(root, f"seed{seed}")
-  sft_dir = os.path.join(root, f"seed{seed if sft_seed is None else sft_seed}", "sft_only")
-  run_variant("sft_only", seed if sft_seed is None else sft_seed, sft_dir, overrides)
-  cases_from = None
-  for variant in variants:
-    workdir = os.path.join(base, variant)
-    copy_tree(os.path.join(sft_dir, "checkpoints", "sft"), os.path.join(workdir, "checkpoints", "sft"))
+def sft_dir(root: str, seed: int, sft_seed: int | None) -> str:
+  return os.path.join(root, f"seed{seed if sft_seed is None else sft_seed}", "sft_only")
+
+
+def run_dir(root: str, seed: int, variant: str, lr: float) -> str:
+  return os.path.join(root, f"seed{seed}", f"{variant}_lr{lr:g}")
+
+
+def start_from_sft(workdir: str, root: str, seed: int, sft_seed: int | None) -> None:
+  """Copies the seed's finished SFT checkpoint into ``workdir`` (re-marked for ``seed`` if shared)."""
+  dst = os.path.join(workdir, "checkpoints", "sft")
+  if not os.path.exists(dst):
+    copy_tree(os.path.join(sft_dir(root, seed, sft_seed), "checkpoints", "sft"), dst)
     if sft_seed is not None and sft_seed != seed:
-      reseed_sft_checkpoint(os.path.join(workdir, "checkpoints", "sft"), seed)
-    if variant.startswith("cast") and cases_from is not None:
-      copy_tree(os.path.join(cases_from, "cases"), os.path.join(workdir, "cases"))
-    run_variant(variant, seed, workdir, overrides)
-    if variant.startswith("cast") and cases_from is None:
-      cases_from = workdir
+      reseed_sft_checkpoint(dst, seed)
+
+
+def run_rl(variant: str, seed: int, lr: float, root: str, overrides: Sequence[str], sft_seed: int | None,
+           size: str = "") -> dict[str, Any]:
+  """One RL run from the seed's SFT policy at learning rate ``lr``, scored on validation at its end."""
+  workdir = run_dir(root, seed, variant, lr)
+  start_from_sft(workdir, root, seed, sft_seed)
+  cases = os.path.join(workdir, "cases", "cases.jsonl")
+  siblings = [os.path.join(root, f"seed{seed}", d, "cases", "cases.jsonl")
+              for d in sorted(os.listdir(os.path.join(root, f"seed{seed}"))) if d.startswith("cast")]
+  done = [c for c in siblings if os.path.exists(c)]
+  if variant.startswith("cast") and done and not os.path.exists(cases):
+    os.makedirs(os.path.dirname(cases), exist_ok=True)
+    shutil.copyfile(done[0], cases)
+  return run_variant(variant, seed, workdir, [*overrides, f"rl.learning_rate={lr!r}"], "validation", size)
+
+
+def run_all(jobs: Sequence[tuple[Any, ...]], root: str, overrides: Sequence[str], sft_seed: int | None,
+            workers: int, size: str = "") -> list[dict[str, Any]]:
+  """``run_rl(variant, seed, lr, ...)`` for every ``(variant, seed, lr)``, ``workers`` processes at a time."""
+  if workers <= 1:
+    return [run_rl(*job, root, overrides, sft_seed, size) for job in jobs]
+  context = multiprocessing.get_context("spawn")  # JAX is not fork-safe.
+  with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+    futures = [pool.submit(run_rl, *job, root, list(overrides), sft_seed, size) for job in jobs]
+    return [f.result() for f in futures]
+
+
+def gate(root: str, seed: int, overrides: Sequence[str], sft_seed: int | None, size: str = ""):
+  """The step-0 gate on ``seed``'s SFT policy (a run with no RL steps in ``<root>/seed<s>/gate``)."""
+  from lemon_rl.eval import headroom  # pylint: disable=g-import-not-at-top
+  workdir = os.path.join(root, f"seed{seed}", "gate")
+  start_from_sft(workdir, root, seed, sft_seed)
+  summary = run_variant("sft_only", seed, workdir, overrides, "gate", size)
+  thresholds = load_config("cast", seed, overrides, size).headroom.thresholds
+  return headroom.check_headroom(summary["final_eval"], dict(thresholds), raise_on_failure=False)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -134,33 +209,31 @@ def final_eval(workdir: str, phase: str) -> dict[str, Any]:
   return evals[-1] if evals else {}
 
 
-def sft_eval(root: str, seed: int, variants: Sequence[str]) -> dict[str, Any]:
-  """The SFT policy of ``seed`` on the RL runs' held-out set: their step-0 evaluation (every RL variant of
-  the seed starts from that checkpoint), else the SFT run's own final evaluation."""
-  for variant in variants:
-    path = os.path.join(root, f"seed{seed}", variant, "metrics.jsonl")
-    if os.path.exists(path):
-      first = [r for r in read_jsonl(path) if r["phase"] == "eval_rl" and r["step"] == 0]
-      if first:
-        return first[0]
-  return final_eval(os.path.join(root, f"seed{seed}", "sft_only"), "sft")
+def collect(root: str, seeds: Sequence[int], chosen: dict[str, float], sft_seed: int | None = None
+            ) -> dict[str, Any]:
+  """``{variant: {"final": [per-seed final test eval], "seeds", "summary", "eval_curves", "train_curves",
+  "profile"}}`` for ``sft_only`` and every variant of ``chosen`` (at its chosen learning rate).
 
-
-def collect(root: str, seeds: Sequence[int], variants: Sequence[str],
-            sft_seed: int | None = None) -> dict[str, Any]:
-  """``{variant: {"final": [per-seed final eval], "curves": [...], "summary": [...], ...}}``.
-
-  The ``sft_only`` row has one entry per SFT run (only ``sft_seed`` when SFT was shared).
+  The ``sft_only`` row holds the SFT policy's final test evaluation (greedy, so equal to the RL runs' step 0),
+  once per SFT run.
   """
-  out: dict[str, Any] = {}
-  for variant in ("sft_only", *variants):
+  out: dict[str, Any] = {"sft_only": {"final": [], "seeds": [], "summary": [], "eval_curves": [], "train_curves": [],
+                                      "profile": []}}
+  for s in sorted({s if sft_seed is None else sft_seed for s in seeds}):
+    workdir = sft_dir(root, s, None)
+    if os.path.exists(os.path.join(workdir, "summary.json")):
+      out["sft_only"]["final"].append(final_eval(workdir, "sft"))
+      out["sft_only"]["seeds"].append(s)
+      with open(os.path.join(workdir, "summary.json")) as f:
+        out["sft_only"]["summary"].append(json.load(f))
+  for variant, lr in chosen.items():
     rows = {"final": [], "seeds": [], "summary": [], "eval_curves": [], "train_curves": [], "profile": []}
-    for seed in (seeds if variant != "sft_only" or sft_seed is None else [sft_seed]):
-      workdir = os.path.join(root, f"seed{seed}", variant)
+    for seed in seeds:
+      workdir = run_dir(root, seed, variant, lr)
       if not os.path.exists(os.path.join(workdir, "summary.json")):
         continue
       records = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
-      rows["final"].append(sft_eval(root, seed, variants) if variant == "sft_only" else final_eval(workdir, "rl"))
+      rows["final"].append(final_eval(workdir, "rl"))
       rows["seeds"].append(seed)
       with open(os.path.join(workdir, "summary.json")) as f:
         rows["summary"].append(json.load(f))
@@ -176,40 +249,81 @@ def collect(root: str, seeds: Sequence[int], variants: Sequence[str],
   return out
 
 
+def setup_facts(seeds: Sequence[int], lrs: Sequence[float], overrides: Sequence[str], sft_seed: int | None,
+                size: str = "") -> dict[str, Any]:
+  """The config facts the section states (saved with the results, so a rerender never reads a config)."""
+  c = load_config("cast", seeds[0], overrides, size)
+  return {"sft_steps": c.sft.steps, "sft_batch": c.sft.batch_size, "rl_steps": c.rl.steps,
+          "prompts_per_step": c.rl.prompts_per_step, "num_generations": c.rl.num_generations,
+          "minibatch_size": c.rl.minibatch_size, "num_iterations": c.rl.num_iterations,
+          "demo_noise": c.task.demo_noise.to_dict(), "headroom": c.headroom.to_dict(),
+          "learning_rates": list(lrs), "sft_seed": sft_seed, "eval_examples": c.eval.num_examples}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--seeds", default="0,1,2")
+  parser.add_argument("--seeds", default="0,1,2,3,4")
   parser.add_argument("--root", default="/tmp/cast_repro", help="parent of the per-seed workdirs")
   parser.add_argument("--variants", default=",".join(RL_VARIANTS))
+  parser.add_argument("--learning_rates", default="3e-5,1e-4", help="RL learning rates tried on validation, "
+                      "for every variant")
   parser.add_argument("--set", dest="overrides", action="append", default=[],
                       help="config override key=value applied to every run, e.g. rl.steps=20")
   parser.add_argument("--sft-seed", type=int, default=None,
                       help="run SFT once with this seed and start every seed's RL from it (default: SFT per seed)")
+  parser.add_argument("--workers", type=int, default=1, help="RL runs at a time (separate processes)")
+  parser.add_argument("--size", default="", help="'tiny': every run at smoke-test size (tests)")
   parser.add_argument("--results-file", default=os.path.join(ROOT, report.RESULTS_FILE),
                       help="where the collected results go (the committed default regenerates RESULTS.md)")
   parser.add_argument("--plot-dir", default=os.path.join(ROOT, report.PLOT_DIR))
-  parser.add_argument("--report-only", action="store_true", help="only collect finished runs and write the results")
-  parser.add_argument("--total-seconds", type=float, default=0.0,
-                      help="with --report-only: the reproduction's wall time to report")
   args = parser.parse_args(argv)
   seeds = [int(s) for s in args.seeds.split(",") if s]
+  lrs = [float(x) for x in args.learning_rates.split(",") if x]
   variants = [v for v in args.variants.split(",") if v]
   unknown = set(variants) - set(RL_VARIANTS)
   if unknown:
     parser.error(f"unknown variants {sorted(unknown)}; expected some of {RL_VARIANTS}")
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
   t0 = time.time()
-  if not args.report_only:
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    for seed in seeds:
-      run_seed(seed, args.root, variants, args.overrides, args.sft_seed)
-  results = collect(args.root, seeds, variants, args.sft_seed)
-  plots = report.plot(results, args.plot_dir)
-  # The command that produced the runs (a --report-only rerun reports the reproduction command).
-  command = "python -m experiments.reproduce_cast " + " ".join(
-      shlex.quote(a) for a in (argv or sys.argv[1:]) if a != "--report-only" and not a.startswith("--total-seconds"))
-  total_s = args.total_seconds if args.report_only and args.total_seconds else time.time() - t0
-  saved = {"results": results, "seeds": seeds, "command": command.strip(), "overrides": args.overrides,
-           "total_s": total_s}
+  command = "python -m experiments.reproduce_cast " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+  saved = {"command": command.strip(), "machine": machine.description(), "seeds": seeds, "variants": variants,
+           "overrides": args.overrides, "setup": setup_facts(seeds, lrs, args.overrides, args.sft_seed, args.size),
+           "done": False}
+
+  def log(msg: str) -> None:
+    print(f"[{(time.time() - t0) / 60:.1f} min] {msg}", flush=True)
+
+  for s in sorted({s if args.sft_seed is None else args.sft_seed for s in seeds}):
+    log(f"SFT, seed {s}")
+    run_variant("sft_only", s, sft_dir(args.root, s, None), args.overrides, size=args.size)
+  checked = gate(args.root, seeds[0], args.overrides, args.sft_seed, args.size)
+  saved["headroom"] = checked.to_dict()
+  results_md.save_results(saved, args.results_file)
+  log("step-0 headroom gate: " + "; ".join(str(c) for c in checked.checks))
+  if not checked.passed:
+    from lemon_rl.eval import headroom  # pylint: disable=g-import-not-at-top
+    raise headroom.HeadroomError(checked)
+
+  from lemon_rl.eval import tuning  # pylint: disable=g-import-not-at-top
+  jobs = [(v, seeds[0], lr) for v in variants for lr in lrs]
+  log(f"tuning: {len(jobs)} runs on seed {seeds[0]}")
+  summaries = run_all(jobs, args.root, args.overrides, args.sft_seed, args.workers, args.size)
+  trials = {v: [] for v in variants}
+  for (v, _, lr), summary in zip(jobs, summaries):
+    trials[v].append({"params": {"learning_rate": lr}, "score": summary["final_eval"][TUNING_METRIC]})
+  choice = tuning.record_choice(os.path.join(args.root, "tuning.json"), trials, split=TUNING_SPLIT,
+                                metric=f"greedy {TUNING_METRIC}")
+  saved["tuning"] = choice.to_dict()
+  chosen = {v: choice.params(v)["learning_rate"] for v in variants}
+  log("chosen learning rates: " + ", ".join(f"{v} {lr:g}" for v, lr in chosen.items()))
+
+  jobs = [(v, seed, chosen[v]) for seed in seeds[1:] for v in variants]
+  log(f"{len(jobs)} runs on seeds {seeds[1:]}")
+  run_all(jobs, args.root, args.overrides, args.sft_seed, args.workers, args.size)
+  saved["results"] = collect(args.root, seeds, chosen, args.sft_seed)
+  saved["total_s"] = time.time() - t0
+  saved["done"] = True
+  plots = report.plot(saved["results"], args.plot_dir)
   print(results_md.write_results(saved, args.results_file, report))
   print(f"wrote {args.results_file} and {', '.join(plots)}")
   return 0

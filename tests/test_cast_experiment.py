@@ -45,6 +45,44 @@ def test_splits_are_deterministic_disjoint_and_tagged():
     assert r["completion"].startswith("<think>") and r["completion"].endswith("</tool_call>")
 
 
+def test_demo_noise_changes_sft_demonstrations_only_never_the_requests():
+  noisy = load_config("cast").task
+  noisy.num_sft, noisy.num_train, noisy.num_validation, noisy.num_test = 400, 40, 40, 40
+  clean = load_config("cast").task
+  clean.num_sft, clean.num_train, clean.num_validation, clean.num_test = 400, 40, 40, 40
+  del clean.demo_noise
+  for split in tut.SPLITS:
+    a, b = tut.make_split(noisy, split), tut.make_split(clean, split)
+    assert [r["prompt"] for r in a] == [r["prompt"] for r in b] and [r["gold"] for r in a] == [r["gold"] for r in b]
+    changed = np.mean([x["completion"] != y["completion"] for x, y in zip(a, b)])
+    # SFT: filler alone touches half the demonstrations; the other splits keep the clean ones.
+    assert (0.5 < changed < 0.8) if split == "sft" else changed == 0.0, (split, changed)
+  longest = max(len(r["completion"].encode()) for r in tut.make_split(noisy, "sft"))
+  assert noisy.max_completion_bytes < longest < tut.completion_budget(noisy)
+
+
+def test_bad_demo_noise_is_named():
+  config = load_config("cast")
+  config.task.demo_noise.fillr = 0.5
+  with pytest.raises(ConfigError, match="config.task.demo_noise"):
+    validate_config(config)
+
+
+def test_gate_statistics_hand_values():
+  from lemon_rl.eval import headroom  # pylint: disable=g-import-not-at-top
+  # Group a (easy): exact 0/0, R_tool 0.5/0.9, think 10/14.  Group b (easy): exact 0/1, R_tool 0.8/1, think
+  # 10/10.  Group c (hard): exact 1/1, R_tool 1/1, think 30/50.
+  rollout = headroom.HeadroomRollout(
+      rewards=[0, 0, 0, 1, 1, 1], group_ids=["a", "a", "b", "b", "c", "c"], lengths=[10, 14, 10, 10, 30, 50],
+      extra={"r_tool": [0.5, 0.9, 0.8, 1.0, 1.0, 1.0], "easy": [True, True, True, True, False, False]})
+  stats = tut.gate_statistics(rollout)
+  assert stats["signal_group_share"] == pytest.approx(1 / 3)
+  assert stats["partial_credit_group_share"] == pytest.approx(1 / 3)  # Only a: R_tool varies, exact does not.
+  assert stats["easy_think_length_std"] == pytest.approx(np.std([10, 14], ddof=1) / 2)  # Mean of a's and b's 0.
+  hard_only = rollout.subset([False, False, False, False, True, True])
+  assert np.isnan(tut.gate_statistics(hard_only)["easy_think_length_std"])
+
+
 def test_tool_use_score_exact_and_group_metrics():
   rng = __import__("random").Random(3)
   simple = tool_use.generate_example(rng, "simple", style="python")

@@ -1,11 +1,17 @@
-"""The CAST reproduction's verdicts: each of the paper's directions is read with the right sign."""
+"""The CAST reproduction: each of the paper's directions read with the right sign, and a tiny run of the script."""
 
 import json
+import os
+import subprocess
+import sys
 
+import numpy as np
 import pytest
 
 from experiments import reproduce_cast
 from experiments.reports import cast as cast_report
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FIELDS = ("accuracy", "think_len", "think_len_easy", "think_len_hard")
 
@@ -60,19 +66,72 @@ def _write_run(workdir, records):
   (workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
-def test_sft_row_is_the_rl_runs_step0_evaluation_once_per_sft_run(tmp_path):
-  # The SFT run scored its own (smaller) held-out set; the RL runs re-score the same policy at step 0.
+def test_collect_reads_the_chosen_learning_rate_and_one_sft_row_per_sft_run(tmp_path):
+  _write_run(tmp_path / "seed0" / "sft_only", [{"phase": "eval_sft", "step": 10, "accuracy": 0.5}])
   for seed in (0, 1):
-    if seed == 0:
-      _write_run(tmp_path / "seed0" / "sft_only", [{"phase": "eval_sft", "step": 10, "accuracy": 0.9}])
-    _write_run(tmp_path / f"seed{seed}" / "grpo",
-               [{"phase": "eval_rl", "step": 0, "accuracy": 0.5},
-                {"phase": "eval_rl", "step": 4, "accuracy": 0.6 + 0.1 * seed}])
-  shared = reproduce_cast.collect(str(tmp_path), [0, 1], ["grpo"], sft_seed=0)
+    for lr, acc in ((1e-4, 0.6), (3e-5, 0.1)):
+      _write_run(tmp_path / f"seed{seed}" / f"grpo_lr{lr:g}",
+                 [{"phase": "eval_rl", "step": 0, "accuracy": 0.5},
+                  {"phase": "eval_rl", "step": 4, "accuracy": acc + 0.1 * seed}])
+  shared = reproduce_cast.collect(str(tmp_path), [0, 1], {"grpo": 1e-4}, sft_seed=0)
   assert [f["accuracy"] for f in shared["sft_only"]["final"]] == [0.5]
-  assert [f["accuracy"] for f in shared["grpo"]["final"]] == [0.6, 0.7]
-  (tmp_path / "seed0" / "grpo" / "metrics.jsonl").write_text("")  # No RL evaluation: the SFT run's own.
-  assert [f["accuracy"] for f in reproduce_cast.collect(str(tmp_path), [0], ["grpo"])["sft_only"]["final"]] == [0.9]
+  assert [f["accuracy"] for f in shared["grpo"]["final"]] == [0.6, 0.7] and shared["grpo"]["seeds"] == [0, 1]
+
+
+def _reproduce(root, *extra):
+  return subprocess.run(
+      [sys.executable, "-m", "experiments.reproduce_cast", "--size=tiny", "--seeds=0,1", "--sft-seed=0",
+       "--variants=grpo,cast", "--learning_rates=1e-3,1e-2", f"--root={root}", f"--results-file={root}/results.json",
+       f"--plot-dir={root}/plots", *extra],
+      cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+
+@pytest.fixture(scope="module")
+def tiny_reproduction(tmp_path_factory):
+  root = tmp_path_factory.mktemp("cast_repro")
+  proc = _reproduce(root, "--workers=2")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return root, json.loads((root / "results.json").read_text())
+
+
+def test_tiny_reproduction_gates_tunes_on_validation_then_runs_the_other_seeds(tiny_reproduction):
+  root, saved = tiny_reproduction
+  assert saved["done"] and saved["headroom"]["passed"]
+  assert {c["statistic"] for c in saved["headroom"]["checks"]} == {"signal_group_share", "partial_credit_group_share"}
+  tuning = saved["tuning"]
+  assert tuning["split"] == "validation" and tuning["trials_per_arm"] == 2
+  for variant in ("grpo", "cast"):
+    rec = tuning["arms"][variant]
+    scores = [t["score"] for t in rec["trials"]]
+    assert rec["chosen_index"] == int(np.argmax(scores))  # Ties go to the first.
+    lr = rec["chosen_params"]["learning_rate"]
+    for t in rec["trials"]:  # Each trial's score is its run's validation accuracy.
+      summary = json.loads((root / "seed0" / f"{variant}_lr{t['params']['learning_rate']:g}" / "summary.json").read_text())
+      assert summary["final_eval"]["validation/accuracy"] == t["score"]
+    # Seed 1 ran only at the chosen learning rate, from the shared SFT policy.
+    assert sorted(p.name for p in (root / "seed1").iterdir() if p.name.startswith(variant + "_")) == [f"{variant}_lr{lr:g}"]
+    assert saved["results"][variant]["seeds"] == [0, 1]
+  assert not (root / "seed1" / "sft_only").exists()
+  lr = tuning["arms"]["cast"]["chosen_params"]["learning_rate"]
+  assert (root / "seed1" / f"cast_lr{lr:g}" / "cases" / "profile.json").exists()
+  assert "### The paper's directions on this run" in cast_report.render(saved)
+
+
+def test_tiny_reproduction_reads_finished_runs_back(tiny_reproduction):
+  root, saved = tiny_reproduction
+  again = _reproduce(root)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert "=== seed" not in again.stdout  # Nothing reran.
+  assert json.loads((root / "results.json").read_text())["results"] == saved["results"]
+
+
+def test_a_failed_gate_stops_before_any_rl_run(tmp_path):
+  proc = _reproduce(tmp_path, "--set=headroom.thresholds.min_signal_group_share=1.5")
+  assert proc.returncode != 0 and "step-0 headroom gate failed: signal_group_share" in proc.stderr
+  saved = json.loads((tmp_path / "results.json").read_text())
+  assert not saved["headroom"]["passed"] and "results" not in saved
+  assert sorted(p.name for p in (tmp_path / "seed0").iterdir()) == ["gate", "sft_only"]
+  assert "FAILED" in cast_report.render(saved)
 
 
 def test_equal_means_are_no_difference_in_either_direction():

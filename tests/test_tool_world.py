@@ -224,3 +224,73 @@ def test_bfcl_loader_errors():
   else:
     with pytest.raises(FileNotFoundError, match="bfcl-eval"):
       bfcl_data.load_bfcl("simple")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Imperfect demonstrations (DemoNoise).
+
+
+def _score(text, ex):
+  return score_tool_calls(text, ex["gold"], ex["functions"])
+
+
+def test_no_noise_is_the_clean_demonstration(examples):
+  python = tool_use.generate_examples(300, seed=7, style="python")
+  for i, (ex, py) in enumerate(zip(examples, python)):
+    assert tool_use.noisy_demonstration(ex, tool_use.DemoNoise(), random.Random(i), "json") == ex["demonstration"]
+    assert tool_use.noisy_demonstration(py, tool_use.DemoNoise(), random.Random(i), "python") == py["demonstration"]
+
+
+def test_skipped_conversion_hand_example():
+  doc = world.DOCS_BY_NAME["compound_interest"]
+  ex = {"plan": "Use compound_interest.", "functions": [doc],
+        "calls": [{"tool": "compound_interest", "args": {"principal": 5000.0, "rate": 0.05, "years": 10},
+                   "notes": ["5k=5000", "5%=0.05"]}],
+        "gold": [{"compound_interest": {"principal": [5000.0], "rate": [0.05], "years": [10], "n": ["", 1]}}]}
+  noise = tool_use.DemoNoise(skip_conversion=1.0)
+  outs = {tool_use.noisy_demonstration(ex, noise, random.Random(seed), "python") for seed in range(20)}
+  # One of the two notes is dropped and the query's own number passed instead of the converted one.
+  assert outs == {
+      "<think>Use compound_interest. 5%=0.05.</think><tool_call>[compound_interest(principal=5,rate=0.05,years=10)]"
+      "</tool_call>",
+      "<think>Use compound_interest. 5k=5000.</think><tool_call>[compound_interest(principal=5000.0,rate=5,years=10)]"
+      "</tool_call>"}
+  assert all(_score(o, ex).exact == 0.0 and _score(o, ex).name == 1.0 for o in outs)
+
+
+def test_each_noise_does_what_it_says(examples):
+  calls = [e for e in examples if e["category"] != "irrelevance"]
+  convert = [e for e in calls if e["num_conversions"]]
+  rng = random.Random(0)
+  skipped = [tool_use.noisy_demonstration(e, tool_use.DemoNoise(skip_conversion=1.0), rng) for e in convert]
+  # A skipped conversion shortens the thinking and breaks the call, unless the written value is already right.
+  broken = [_score(s, e).exact == 0.0 and len(s) < len(e["demonstration"]) for s, e in zip(skipped, convert)]
+  assert sum(broken) / len(broken) > 0.9
+  assert all(_score(s, e).name == 1.0 for s, e in zip(skipped, convert))
+  # Filler lengthens the thinking only: every call stays exact.
+  filled = [tool_use.noisy_demonstration(e, tool_use.DemoNoise(filler=1.0), rng) for e in examples]
+  assert all(_score(f, e).exact == 1.0 for f, e in zip(filled, examples))
+  assert all(f.removeprefix("<think>").split(".")[0] + "." in tool_use.FILLER for f in filled)
+  # A look-alike key fails the key dimension but not the name; a number as a string fails the type.
+  keyed = [(tool_use.noisy_demonstration(e, tool_use.DemoNoise(look_alike_key=1.0), rng), e) for e in calls]
+  assert all(_score(k, e).exact == 0.0 and _score(k, e).name == 1.0 and _score(k, e).key < 1.0
+             for k, e in keyed if k != e["demonstration"])
+  assert sum(k != e["demonstration"] for k, e in keyed) / len(keyed) > 0.9
+  typed = [(tool_use.noisy_demonstration(e, tool_use.DemoNoise(number_as_string=1.0), rng), e) for e in calls]
+  changed = [(t, e) for t, e in typed if t != e["demonstration"]]
+  assert len(changed) > len(calls) / 3
+  assert all(_score(t, e).exact == 0.0 and _score(t, e).type < 1.0 for t, e in changed)
+  assert tool_use._look_alike("start_date") == "startDate" and tool_use._look_alike("city") == "City"
+
+
+def test_noise_length_bound_and_validation(examples):
+  noise = tool_use.DemoNoise(skip_conversion=1.0, filler=1.0, look_alike_key=1.0, number_as_string=1.0)
+  rng = random.Random(1)
+  extra = [len(tool_use.noisy_demonstration(e, noise, rng).encode()) - len(e["demonstration"].encode())
+           for e in examples]
+  assert max(extra) <= noise.max_extra_bytes
+  assert tool_use.DemoNoise().max_extra_bytes == 0
+  with pytest.raises(ValueError, match="filler must be a probability"):
+    tool_use.DemoNoise(filler=1.5)
+  with pytest.raises(ValueError, match="max_filler"):
+    tool_use.DemoNoise(max_filler=0)

@@ -1,8 +1,10 @@
-"""The CAST section: every RL variant from one SFT policy per seed (METHODS.md section 1).
+"""The CAST section: every RL variant from the SFT policy, tuned on validation (METHODS.md section 1; issue 10).
 
-``saved`` (written by :mod:`experiments.reproduce_cast`): ``results`` (``{variant: {"final", "seeds",
-"summary", "eval_curves", "train_curves", "profile"}}``, see ``reproduce_cast.collect``), ``seeds``,
-``command``, ``overrides``, ``total_s``.
+``saved`` (written by :mod:`experiments.reproduce_cast`): ``command``, ``machine``, ``seeds``, ``variants``,
+``overrides``, ``setup`` (the config facts the text states), ``headroom`` (the step-0 gate's statistics and
+checks), ``tuning`` (the :mod:`lemon_rl.eval.tuning` record), ``results`` (``{variant: {"final", "seeds",
+"summary", "eval_curves", "train_curves", "profile"}}``, see ``reproduce_cast.collect``; absent until every run
+finished) and ``total_s``.
 """
 
 from __future__ import annotations
@@ -15,10 +17,9 @@ import numpy as np
 TITLE = "CAST"
 RESULTS_FILE = "experiments/results/cast/results.json"
 PLOT_DIR = "experiments/results/cast"
-COMMAND = "python -m experiments.reproduce_cast --seeds=0,1,2,3,4"
-MISSING = ("Withdrawn: the previous run's tool-use splits differed only by generator seed (114 of its 300 "
-           "held-out prompts were SFT demonstrations), so its numbers are not evidence. Splits are now disjoint "
-           "by content (`lemon_rl.envs.tool_use_task`); the rerun with the headroom design of issue 10 is pending.")
+COMMAND = ("python -m experiments.reproduce_cast --seeds=0,1,2,3,4 --sft-seed=0 --learning_rates=3e-5,1e-4 "
+           "--workers=2")
+MISSING = "Not run yet with the headroom design of issue 10 (the previous run's splits leaked and were withdrawn)."
 CATEGORIES = ("simple", "multiple", "parallel", "parallel_multiple", "irrelevance")
 SCORES = ("name", "key", "type", "constraint", "value", "exact")
 
@@ -211,22 +212,64 @@ def findings(results: dict[str, Any], family_alpha: float = 0.05) -> list[str]:
   return out
 
 
+def _setup_lines(saved: Mapping[str, Any]) -> list[str]:
+  st = saved["setup"]
+  noise = st["demo_noise"]
+  sft = (f"one SFT run (seed {st['sft_seed']}) shared by every seed, so the seeds vary RL sampling, data order "
+         "and the case library, not the SFT policy" if st["sft_seed"] is not None else "one SFT run per seed")
+  return [
+      f"Command: `{saved['command']}` on {saved['machine']}. Config `configs/cast_tool_use.py`"
+      + (f" with {' '.join(saved['overrides'])}" if saved["overrides"] else "") + ".", "",
+      f"Design: {sft}, {st['sft_steps']} steps x {st['sft_batch']} demonstrations made imperfect "
+      f"(`lemon_rl.envs.tool_use.DemoNoise`): a conversion skipped with probability {noise['skip_conversion']} "
+      f"per call that needs one (note dropped, the query's own value passed), filler sentences in "
+      f"{noise['filler']:.0%} of the think blocks, a look-alike key in {noise['look_alike_key']:.0%} and a "
+      f"number as a string in {noise['number_as_string']:.0%} of the calls. RL: {st['rl_steps']} steps x "
+      f"{st['prompts_per_step']} prompts x {st['num_generations']} completions, minibatches of "
+      f"{st['minibatch_size']} ({st['prompts_per_step'] * st['num_generations'] // max(st['minibatch_size'], 1)} "
+      "updates per batch). Held-out: the `tool_use` test split, greedy BFCL exact match; every cell is the mean "
+      "± 95% t-interval over the seeds (n shown).", ""]
+
+
+def _gate_line(saved: Mapping[str, Any]) -> str:
+  gate = saved.get("headroom")
+  if not gate:
+    return "Step-0 headroom gate: not run."
+  checks = "; ".join(f"{c['statistic']} = {c['value']:.3f} ({'>=' if c['bound'] == 'min' else '<='} "
+                     f"{c['threshold']:g}: {'ok' if c['passed'] else 'FAILED'})" for c in gate["checks"])
+  return (f"Step-0 headroom gate (the first seed's SFT policy, {saved['setup']['num_generations']} samples of each "
+          f"of {saved['setup']['headroom']['num_prompts']} validation queries, thresholds fixed in the config): "
+          f"{checks}.")
+
+
+def _tuning_lines(saved: Mapping[str, Any]) -> list[str]:
+  tuning = saved.get("tuning")
+  if not tuning:
+    return ["Tuning: not finished."]
+  lrs = saved["setup"]["learning_rates"]
+  rows = [f"Tuning ({tuning['metric']} on the `{tuning['split']}` split, seed {saved['seeds'][0]}, "
+          f"{tuning['trials_per_arm']} trials per variant, ties to the first):", "",
+          "| variant | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " | chosen |", "|" + "---|" * (len(lrs) + 2)]
+  for variant, rec in tuning["arms"].items():
+    scores = [f"{t['score']:.3f}" if t["score"] is not None else "-" for t in rec["trials"]]
+    rows.append(f"| {variant} | " + " | ".join(scores) + f" | {rec['chosen_params']['learning_rate']:g} |")
+  return rows
+
+
 def render(saved: Mapping[str, Any]) -> str:
-  results, seeds, command = saved["results"], saved["seeds"], saved["command"]
-  overrides, total_s = saved["overrides"], saved["total_s"]
-  plots = [os.path.join(PLOT_DIR, name) for name in PLOTS]
-  lines = [f"Command (from the repository root): `{command}`", "",
-           f"Seeds {', '.join(map(str, seeds))}; every cell is the mean ± 95% t-interval over the seeds that "
-           "finished (n shown); held-out set: the `tool_use` test split scored greedily (BFCL exact match). "
-           f"Config: `configs/cast_tool_use.py`{' with ' + ' '.join(overrides) if overrides else ''}. "
-           f"Total wall time of the script: {total_s / 60:.1f} min on this machine (2-core CPU).", ""]
+  lines = [*_setup_lines(saved), _gate_line(saved), "", *_tuning_lines(saved), ""]
+  if not saved.get("results"):
+    return "\n".join(lines + ["Runs: not finished.", ""])
+  results = saved["results"]
   variants = list(results)
-  header = "| variant | n | " + " | ".join(CATEGORIES) + " | overall |"
+  chosen = {v: rec["chosen_params"]["learning_rate"] for v, rec in saved["tuning"]["arms"].items()}
+  header = "| variant | RL lr | n | " + " | ".join(CATEGORIES) + " | overall |"
   lines += ["### Exact accuracy (%) per category", "", header, "|" + "---|" * (header.count("|") - 1)]
   for v in variants:
     final = results[v]["final"]
     cells = [fmt([f.get(f"acc_{c}") for f in final], 100) for c in CATEGORIES]
-    lines.append(f"| {v} | {len(final)} | " + " | ".join(cells) + f" | {fmt([f.get('accuracy') for f in final], 100)} |")
+    lines.append(f"| {v} | {chosen.get(v, '-')} | {len(final)} | " + " | ".join(cells)
+                 + f" | {fmt([f.get('accuracy') for f in final], 100)} |")
   header = "| variant | " + " | ".join(SCORES) + " | format |"
   lines += ["", "### The six scores (%, response level, mean over held-out queries)", "", header,
             "|" + "---|" * (header.count("|") - 1)]
@@ -258,13 +301,12 @@ def render(saved: Mapping[str, Any]) -> str:
   profiles = results.get("cast", {}).get("profile", [])
   if profiles:
     lines += ["", "### Case libraries (SFT policy, per seed)", ""]
-    for seed, p in zip(seeds, profiles):
+    for seed, p in zip(results["cast"]["seeds"], profiles):
       lines.append(f"- seed {seed}: {p['num_cases']} cases over {p['num_queries']} training queries, base "
                    f"accuracy {100 * p['base_accuracy']:.1f}%, H bin edges {[round(e, 2) for e in p['bin_edges']]}, "
                    f"baselines L_emp {p['baselines']} tokens, failure rates "
                    f"{ {k: round(x, 2) for k, x in p['failure_rates'].items()} }, {p.get('frac_hardest', float('nan')):.0%} "
                    f"of the queries at H = 1, sampled in {p['sample_s']} s")
-  lines += ["", "Plots: " + ", ".join(f"`{p}`" for p in plots), ""]
+  lines += ["", f"Total wall time of the script: {saved['total_s'] / 60:.1f} min.", "",
+            "Plots: " + ", ".join(f"`{os.path.join(PLOT_DIR, name)}`" for name in PLOTS), ""]
   return "\n".join(lines)
-
-

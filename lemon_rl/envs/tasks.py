@@ -141,6 +141,7 @@ def tool_use_task(cfg, data_dir: str) -> Task:
   case library -> :class:`lemon_rl.rewards.cast.CastReward` + curriculum; options in ``task.cast``).
   Config fields: ``data_seed``, ``num_sft``, ``num_train``, ``num_validation``, ``num_test``, ``category_weights``,
   ``style`` (call syntax), ``max_prompt_bytes``, ``max_completion_bytes``, ``reward``, ``cast``; optional
+  ``demo_noise`` (imperfect SFT demonstrations, ``tool_use.DemoNoise``),
   ``source`` (``"synthetic"`` or ``"bfcl"``: BFCL-format files, with ``bfcl_dir`` and ``bfcl_categories``) and
   ``tokenizer`` (``"byte"`` or a directory) (``lemon_rl.envs.tool_use_task``).
   """
@@ -151,8 +152,7 @@ def tool_use_task(cfg, data_dir: str) -> Task:
   tokenizer = tut.task_tokenizer(cfg)
   train = tut.make_split(cfg, "train")
   score = tut.ToolUseScore(tokenizer)
-  # Completion budget: the longest demonstration, EOS and a little slack for sampled outputs.
-  budget = int(cfg.max_completion_bytes) + 8
+  budget = tut.completion_budget(cfg)
   return Task(
       tokenizer=tokenizer,
       sft_source=tut.make_split(cfg, "sft"),

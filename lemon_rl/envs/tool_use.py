@@ -18,7 +18,9 @@ An example is a dict with the fields
   drawn from, none of which, nor its substitutes, is offered; ``[]`` for off-world requests);
 - ``request``: the calls the query asks for, in ``gold``'s format: ``gold`` itself, except for
   ``irrelevance``, where it is the call of the tool the request was drawn from (``[]`` off-world). It is what
-  the content key of the splits reads (``lemon_rl.envs.tool_use_task.canonical_key``).
+  the content key of the splits reads (``lemon_rl.envs.tool_use_task.canonical_key``);
+- ``plan`` and ``calls``: the demonstration's parts, the planning sentence and ``[{tool, args, notes}]``, from
+  which :func:`noisy_demonstration` builds an imperfect demonstration.
 
 Everything is deterministic given ``seed`` (Python's :class:`random.Random`, whose sequence for ``random()``,
 ``randint``, ``choice`` and ``sample`` is stable across Python versions).
@@ -26,8 +28,10 @@ Everything is deterministic given ``seed`` (Python's :class:`random.Random`, who
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
+import re
 from typing import Any, Iterable, Sequence
 
 from lemon_rl.envs import tool_world as world
@@ -108,10 +112,12 @@ def _sentence(clauses: Sequence[str]) -> str:
   return "; ".join(first[:-1]) + f"; and {first[-1]}."
 
 
-def _thinking(plan: str, calls: Sequence[world.Call]) -> str:
-  """One planning sentence plus every conversion note, e.g. ``"Use loan_payment. 5%=0.05. 2 years=24 months."``."""
-  notes = [n for c in calls for n in c.notes]
-  return " ".join([plan] + [f"{n}." for n in notes])
+def _thinking(plan: str, notes: Sequence[str], filler: Sequence[str] = ()) -> str:
+  """Filler sentences, one planning sentence, every conversion note.
+
+  E.g. ``"Use loan_payment. 5%=0.05. 2 years=24 months."`` (no filler).
+  """
+  return " ".join([*filler, plan] + [f"{n}." for n in notes])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -146,7 +152,7 @@ def _offered(rng: random.Random, tools: Sequence[str]) -> list[dict[str, Any]]:
 
 
 def _example(category: str, query: str, offered: list[dict[str, Any]], calls: Sequence[world.Call],
-             thinking: str, style: str, intent: Sequence[str] | None = None,
+             plan: str, style: str, intent: Sequence[str] | None = None,
              request: Sequence[world.Call] | None = None) -> dict[str, Any]:
   return {
       "category": category,
@@ -154,10 +160,12 @@ def _example(category: str, query: str, offered: list[dict[str, Any]], calls: Se
       "functions": offered,
       "gold": [c.gold_call for c in calls],
       "prompt": render_prompt(query, offered),
-      "demonstration": render_completion(thinking, [(c.tool, c.args) for c in calls], style),
+      "demonstration": render_completion(_thinking(plan, [n for c in calls for n in c.notes]), [(c.tool, c.args) for c in calls], style),
       "num_conversions": sum(len(c.notes) for c in calls),
       "intent": list(dict.fromkeys(c.tool for c in calls)) if intent is None else list(intent),
       "request": [c.gold_call for c in (calls if request is None else request)],
+      "plan": plan,
+      "calls": [{"tool": c.tool, "args": dict(c.args), "notes": list(c.notes)} for c in calls],
   }
 
 
@@ -166,8 +174,7 @@ def generate_example(rng: random.Random, category: str, style: str = "json") -> 
   if category == "simple":
     tool = rng.choice(world.TOOL_NAMES)
     call = world.SAMPLERS[tool](rng)
-    return _example(category, _sentence([call.clause]), _offered(rng, [tool]), [call],
-                    _thinking(f"Use {tool}.", [call]), style)
+    return _example(category, _sentence([call.clause]), _offered(rng, [tool]), [call], f"Use {tool}.", style)
 
   if category == "multiple":
     tool = rng.choice(world.TOOL_NAMES)
@@ -175,8 +182,7 @@ def generate_example(rng: random.Random, category: str, style: str = "json") -> 
     others = _distractors(rng, [tool], rng.randint(1, 2))
     near = [o for o in others if world.CLUSTER_OF[o] == world.CLUSTER_OF[tool]]
     plan = f"Use {tool}." + (f" Not {near[0]}." if near else "")
-    return _example(category, _sentence([call.clause]), _offered(rng, [tool, *others]), [call],
-                    _thinking(plan, [call]), style)
+    return _example(category, _sentence([call.clause]), _offered(rng, [tool, *others]), [call], plan, style)
 
   if category == "parallel":
     tool = rng.choice(world.TOOL_NAMES)
@@ -184,7 +190,7 @@ def generate_example(rng: random.Random, category: str, style: str = "json") -> 
     for _ in range(2 if rng.random() < 0.75 else 3):
       calls.append(_fresh_call(rng, tool, calls))
     return _example(category, _sentence([c.clause for c in calls]), _offered(rng, [tool]), calls,
-                    _thinking(f"{len(calls)} calls to {tool}.", calls), style)
+                    f"{len(calls)} calls to {tool}.", style)
 
   if category == "parallel_multiple":
     k = 2 if rng.random() < 0.75 else 3
@@ -196,7 +202,7 @@ def generate_example(rng: random.Random, category: str, style: str = "json") -> 
     extra = _distractors(rng, tools, 1) if rng.random() < 0.3 else []
     plan = "Calls: " + ", ".join(c.tool for c in calls) + "."
     return _example(category, _sentence([c.clause for c in calls]), _offered(rng, [*tools, *extra]), calls,
-                    _thinking(plan, calls), style)
+                    plan, style)
 
   if category == "irrelevance":
     if rng.random() < 0.2:
@@ -214,8 +220,8 @@ def generate_example(rng: random.Random, category: str, style: str = "json") -> 
       first = rng.choice(near) if near and rng.random() < 0.6 else rng.choice(far)
       offered = [first] + ([rng.choice([t for t in far if t != first])] if rng.random() < 0.4 else [])
       intent = [tool]
-    thinking = f"Needs {need}; no offered tool does that."
-    return _example(category, _sentence([clause]), _offered(rng, offered), [], thinking, style, intent, request)
+    plan = f"Needs {need}; no offered tool does that."
+    return _example(category, _sentence([clause]), _offered(rng, offered), [], plan, style, intent, request)
 
   raise ValueError(f"unknown category {category!r}; expected one of {CATEGORIES}")
 
@@ -267,6 +273,132 @@ def generate_examples(num_examples: int,
       raise RuntimeError(f"no {category} example within the byte limits after 100 tries")
     out.append({"id": f"tool-s{seed}-{i}", **ex})
   return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Imperfect demonstrations (the CAST rerun's headroom design, issue 10).
+
+FILLER = ("Read the query.", "Check the tools.", "Check each type.", "Match the keys.", "Recheck values.",
+          "Keep it short.")
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoNoise:
+  """Imperfections of SFT demonstrations that leave an RL method something to act on.
+
+  With the clean demonstrations, thinking length is fixed by the template and the calls are always well
+  formed, so a length budget has no within-group variance to cut and a schema-faithful reward has no partial
+  credit to give. Each field is a probability (independent draws, :func:`noisy_demonstration`):
+
+  Attributes:
+    skip_conversion: per call with conversion notes, drop one note from the thinking AND pass the value the
+      query wrote instead of the converted one (``5%`` -> ``5``, ``Apple`` -> ``"Apple"``): thinking is
+      causally useful on the queries that need a conversion.
+    filler: per demonstration, 1 to ``max_filler`` sentences of :data:`FILLER` at the start of the thinking,
+      independent of the calls: thinking to cut without changing correctness.
+    look_alike_key: per demonstration, one argument under a look-alike key (``start_date`` -> ``startDate``,
+      ``city`` -> ``City``): the key dimension fails, name and values hold.
+    number_as_string: per demonstration, one numeric argument as a string (``0.05`` -> ``"0.05"``): the type
+      dimension fails.
+    max_filler: the most filler sentences in one demonstration.
+  """
+
+  skip_conversion: float = 0.0
+  filler: float = 0.0
+  look_alike_key: float = 0.0
+  number_as_string: float = 0.0
+  max_filler: int = 2
+
+  def __post_init__(self):
+    for name in ("skip_conversion", "filler", "look_alike_key", "number_as_string"):
+      p = getattr(self, name)
+      if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0 <= p <= 1:
+        raise ValueError(f"DemoNoise.{name} must be a probability in [0, 1], got {p!r}")
+    if not isinstance(self.max_filler, int) or self.max_filler < 1:
+      raise ValueError(f"DemoNoise.max_filler must be an int >= 1, got {self.max_filler!r}")
+
+  @property
+  def max_extra_bytes(self) -> int:
+    """How much longer than the clean demonstration a noisy one can be (filler, and the quotes of a number
+    turned string; a skipped conversion and a look-alike key never lengthen it)."""
+    filler = self.max_filler * (1 + max(len(f) for f in FILLER)) if self.filler else 0
+    return filler + (2 if self.number_as_string else 0)
+
+
+def _surface(value: Any) -> str:
+  if isinstance(value, bool):
+    return str(value).lower()
+  if isinstance(value, (int, float)):
+    return world.fmt_num(value)
+  return str(value)
+
+
+def _naive_value(written: str, value: Any) -> Any:
+  """What a policy that skips a conversion passes: the query's words, or their first number if the argument is
+  numeric (``"5%"`` -> ``5``, ``"2 years"`` -> ``2``, ``"a dozen"`` -> ``"a dozen"``)."""
+  if isinstance(value, (int, float)) and not isinstance(value, bool):
+    match = _NUMBER.search(written)
+    if match:
+      x = float(match.group())
+      return int(x) if x.is_integer() else x
+  return written
+
+
+def _skippable(notes: Sequence[str], args: dict[str, Any], gold: dict[str, list[Any]]) -> list[tuple[int, str, Any]]:
+  """``(note index, argument, naive value)`` for every note whose converted value an argument holds and whose
+  naive value the gold does not accept. A note reads ``written=converted`` (``"5%=0.05"``, ``"2 years=24
+  months"``, ``"monthly: n=12"``)."""
+  out = []
+  for i, note in enumerate(notes):
+    written, _, converted = note.partition("=")
+    written = written.split(":")[0].strip()
+    for key, value in args.items():
+      converted = converted.strip()
+      if _surface(value) in (converted, converted.split(" ")[0]):
+        naive = _naive_value(written, value)
+        accepted = [world.canonical_value(v) for v in gold.get(key, [])]
+        if world.canonical_value(naive) not in accepted:
+          out.append((i, key, naive))
+        break
+  return out
+
+
+def _look_alike(key: str) -> str:
+  """``start_date`` -> ``startDate``; a one-word key is capitalised (``city`` -> ``City``)."""
+  head, *rest = key.split("_")
+  return head + "".join(p.capitalize() for p in rest) if rest else key.capitalize()
+
+
+def noisy_demonstration(example: dict[str, Any], noise: DemoNoise, rng: random.Random, style: str = "json") -> str:
+  """An imperfect demonstration of ``example`` (its ``plan``, ``calls`` and ``gold``) under ``noise``.
+
+  Draws, in order: a skipped conversion per call with notes, a look-alike key, a number as a string, filler
+  (see :class:`DemoNoise`). With every probability 0 it equals ``example["demonstration"]``.
+  """
+  calls = [(c["tool"], dict(c["args"]), list(c["notes"])) for c in example["calls"]]
+  for (tool, args, notes), gold in zip(calls, example["gold"]):
+    if notes and rng.random() < noise.skip_conversion:
+      options = _skippable(notes, args, gold[tool])
+      if options:
+        i, key, naive = rng.choice(options)
+        del notes[i]
+        args[key] = naive
+  if rng.random() < noise.look_alike_key:
+    keyed = [(j, k) for j, (_, args, _) in enumerate(calls) for k in args if _look_alike(k) not in args]
+    if keyed:
+      j, key = rng.choice(keyed)
+      tool, args, notes = calls[j]
+      calls[j] = (tool, {(_look_alike(k) if k == key else k): v for k, v in args.items()}, notes)
+  if rng.random() < noise.number_as_string:
+    numeric = [(j, k) for j, (_, args, _) in enumerate(calls) for k, v in args.items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if numeric:
+      j, key = rng.choice(numeric)
+      calls[j][1][key] = _surface(calls[j][1][key])
+  filler = rng.sample(FILLER, rng.randint(1, noise.max_filler)) if rng.random() < noise.filler else []
+  thinking = _thinking(example["plan"], [n for _, _, notes in calls for n in notes], filler)
+  return render_completion(thinking, [(tool, args) for tool, args, _ in calls], style)
 
 
 def sft_pairs(examples: Iterable[dict[str, Any]]) -> list[tuple[str, str]]:

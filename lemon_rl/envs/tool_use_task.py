@@ -77,9 +77,12 @@ from lemon_rl.data.pipeline import collate
 from lemon_rl.envs import bfcl_data
 from lemon_rl.envs import tool_use
 from lemon_rl.envs import tool_world
+from lemon_rl.eval import headroom
 from lemon_rl.rewards.base import RewardOutput
 from lemon_rl.rewards.cast import THINK_MODES
 from lemon_rl.rewards.cast import CastReward
+from lemon_rl.rewards.cast import dimension_weights
+from lemon_rl.rewards.cast import tool_reward
 from lemon_rl.rewards.combine import WeightedReward
 from lemon_rl.rewards.tool_calls import DIMENSIONS
 from lemon_rl.sampling import generate
@@ -155,8 +158,10 @@ def make_split(cfg, split: str) -> list[dict[str, Any]]:
   Record ``i`` draws its category from ``cfg.category_weights``, then examples of that category until one
   fits ``max_prompt_bytes`` / ``max_completion_bytes`` and its :func:`canonical_key` lies in the split's
   bucket (:func:`bucket_of`); draws are i.i.d., so a request may repeat within a split, never across splits.
-  Records: ``id, category, difficulty, num_conversions, prompt, completion`` (the demonstration),
-  ``gold``, ``functions`` and ``request`` (JSON strings).
+  Records: ``id, category, difficulty, num_conversions, prompt, completion`` (the demonstration; for ``sft``,
+  made imperfect by ``cfg.demo_noise``, :func:`demo_noise`), ``gold``, ``functions`` and ``request`` (JSON
+  strings). ``max_completion_bytes`` bounds the clean demonstration; a noisy one may be up to
+  ``DemoNoise.max_extra_bytes`` longer (:func:`completion_budget`).
   """
   if split not in SPLITS:
     raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
@@ -169,17 +174,30 @@ def make_split(cfg, split: str) -> list[dict[str, Any]]:
   seed = 1000 * int(cfg.data_seed) + SPLIT_OFFSETS[split]
   rng = random.Random(seed)
   max_prompt, max_completion = int(cfg.max_prompt_bytes), int(cfg.max_completion_bytes)
+  noise = demo_noise(cfg) if split == "sft" else tool_use.DemoNoise()
   records = []
   for i in range(n):
     category = rng.choices(names, probs)[0]
     draw = functools.partial(_fitting_example, rng, category, cfg.style, max_prompt, max_completion)
     ex, = content_splits.draw_from_bucket(draw, canonical_key, bucket_of, split, 1, max_misses=_MAX_MISSES,
                                           what=f"{category} {split} request")
+    # The noise has its own generator, so the requests of every split are those of the clean world.
+    completion = tool_use.noisy_demonstration(ex, noise, random.Random(f"noise-{seed}-{i}"), cfg.style)
     records.append({"id": f"tool-s{seed}-{i}", "category": ex["category"], "difficulty": difficulty_of(ex),
                     "num_conversions": int(ex["num_conversions"]), "prompt": ex["prompt"],
-                    "completion": ex["demonstration"], "gold": _compact_json(ex["gold"]),
+                    "completion": completion, "gold": _compact_json(ex["gold"]),
                     "functions": _compact_json(ex["functions"]), "request": _compact_json(ex["request"])})
   return records
+
+
+def demo_noise(cfg) -> tool_use.DemoNoise:
+  """``cfg.demo_noise`` (optional; its fields are :class:`lemon_rl.envs.tool_use.DemoNoise`'s), else no noise."""
+  return tool_use.DemoNoise(**dict(cfg.get("demo_noise") or {}))
+
+
+def completion_budget(cfg) -> int:
+  """Tokens a completion may take: the longest (noisy) demonstration in bytes, EOS and a little slack."""
+  return int(cfg.max_completion_bytes) + demo_noise(cfg).max_extra_bytes + 8
 
 
 def _compact_json(value: Any) -> str:
@@ -420,6 +438,51 @@ def prepare_rl(task_cfg, train_records: Sequence[Mapping[str, Any]], model, toke
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Step-0 headroom gate.
+
+
+def headroom_rollout(model, tokenizer, examples: Sequence[Mapping[str, Any]], num_generations: int,
+                     max_new_tokens: int, seed: int, temperature: float = 1.0,
+                     batch_size: int = 256) -> headroom.HeadroomRollout:
+  """``num_generations`` samples of ``model`` per record (one group each) as the gate's step-0 batch.
+
+  Rows: reward = BFCL exact match, length = think length (tokens), ``extra``: ``r_tool`` (the six-dimension
+  tool reward with uniform weights, METHODS.md section 1) and ``easy`` (the record's static difficulty).
+  """
+  cases = sample_cases(model, tokenizer, examples, num_generations, max_new_tokens, jax.random.key(seed),
+                       temperature, batch_size)
+  uniform = dimension_weights()
+  easy = {ex["id"]: ex["difficulty"] == "easy" for ex in examples}
+  return headroom.HeadroomRollout(
+      rewards=[c.scores["exact"] for c in cases], group_ids=[c.query_id for c in cases],
+      lengths=[c.think_len for c in cases],
+      extra={"r_tool": [tool_reward(c.scores, uniform) for c in cases], "easy": [easy[c.query_id] for c in cases]})
+
+
+def _easy_think_length_std(rollout: headroom.HeadroomRollout) -> float:
+  easy = rollout.subset(rollout.extra["easy"])
+  return float(np.mean(headroom.group_std(easy.lengths, easy.group_ids))) if easy.lengths.size else float("nan")
+
+
+def _partial_credit_group_share(rollout: headroom.HeadroomRollout) -> float:
+  varies = headroom.group_varies(rollout.extra["r_tool"], rollout.group_ids, 1e-6)
+  exact_varies = headroom.group_varies(rollout.rewards, rollout.group_ids)
+  return float(np.mean(varies & ~exact_varies))
+
+
+def gate_statistics(rollout: headroom.HeadroomRollout) -> dict[str, float]:
+  """The CAST gate's statistics: :func:`lemon_rl.eval.headroom.headroom_statistics` (exact match as the reward,
+  think length as the length) plus
+
+      easy_think_length_std       = mean over the easy groups of std(think length)   (R_think has length to cut)
+      partial_credit_group_share  = share of groups where R_tool varies but exact match does not
+                                    (the six-dimension reward has a signal the binary one lacks)
+  """
+  return headroom.headroom_statistics(rollout, custom={"easy_think_length_std": _easy_think_length_std,
+                                                       "partial_credit_group_share": _partial_credit_group_share})
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Config.
 
 
@@ -467,7 +530,12 @@ def check_config(config) -> None:
              f"must be one of {', '.join(THINK_MODES)}")
   cc.require(cast.curriculum in MODES, "task.cast.curriculum", cast.curriculum,
              f"must be one of {', '.join(MODES)}")
+  try:
+    noise = demo_noise(task)
+  except (TypeError, ValueError) as e:  # An unknown field or a bad probability.
+    raise cc.ConfigError(f"config.task.demo_noise={task.get('demo_noise')!r}: {e}") from e
+  longest = task.max_completion_bytes + noise.max_extra_bytes
   if rl.steps:
-    cc.require(rl.max_new_tokens > task.max_completion_bytes, "rl.max_new_tokens", rl.max_new_tokens,
-               f"must exceed task.max_completion_bytes={task.max_completion_bytes} (room for the demonstrated "
-               "length and EOS)")
+    cc.require(rl.max_new_tokens > longest, "rl.max_new_tokens", rl.max_new_tokens,
+               f"must exceed the longest demonstration, {longest} bytes (task.max_completion_bytes plus the "
+               "demo noise's extra bytes), with room for EOS")
