@@ -305,7 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     raise headroom.HeadroomError(checked)
 
   from lemon_rl.eval import tuning  # pylint: disable=g-import-not-at-top
-  jobs = [(v, seeds[0], lr) for v in variants for lr in lrs]
+  jobs = [(v, seeds[0], lr) for lr in lrs for v in variants]  # A cast run's case library serves the next ones.
   log(f"tuning: {len(jobs)} runs on seed {seeds[0]}")
   summaries = run_all(jobs, args.root, args.overrides, args.sft_seed, args.workers, args.size)
   trials = {v: [] for v in variants}
