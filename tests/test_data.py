@@ -223,3 +223,21 @@ def test_data_does_not_import_the_tasks():
                for p in sorted(data_dir.glob("*.py"))}
   offending = {k: v for k, v in offending.items() if v}
   assert not offending, offending
+
+
+def test_lazy_source_builds_on_first_read_only():
+  from lemon_rl.data.pipeline import LazySource  # pylint: disable=g-import-not-at-top
+  calls = []
+
+  def build():
+    calls.append(1)
+    return [{"x": i} for i in range(10)]
+
+  source = LazySource(10, build)
+  it = BatchIterator(source, batch_size=4, seed=0)
+  assert len(source) == 10 and calls == []  # An iterator that yields nothing reads nothing.
+  batch = next(iter(it))
+  assert calls == [1] and sorted(batch["x"].tolist()) == sorted(set(batch["x"].tolist()))
+  assert source[3] == {"x": 3} and calls == [1]  # Built once.
+  with pytest.raises(ValueError, match="built 10 records, expected 11"):
+    LazySource(11, build)[0]

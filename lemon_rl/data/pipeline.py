@@ -28,6 +28,7 @@ Tokenisation happens in the trainers (``lemon_rl.training.sft.sft_batch``, the r
 
 from __future__ import annotations
 
+import collections.abc
 import functools
 from typing import Any, Callable, Mapping, Sequence
 
@@ -59,6 +60,36 @@ def collate(records: Sequence[Mapping[str, Any]]) -> Batch:
     values = [r[key] for r in records]
     batch[key] = values if isinstance(values[0], str) else np.stack([np.asarray(v) for v in values])
   return batch
+
+
+class LazySource(collections.abc.Sequence):
+  """Records built on first access, their number known up front.
+
+  A :class:`BatchIterator` over it reads nothing until it yields a batch, so a run that restores a finished
+  phase never builds that phase's data (the CAST task's 112,000 generated SFT demonstrations cost about 40 s
+  of CPU in every RL run otherwise).
+
+  Args:
+    length: how many records ``build()`` returns (checked when it runs).
+    build: a function returning the records.
+  """
+
+  def __init__(self, length: int, build: Callable[[], Sequence[Any]]):
+    self._length, self._build, self._records = int(length), build, None
+
+  def _all(self) -> Sequence[Any]:
+    if self._records is None:
+      records = list(self._build())
+      if len(records) != self._length:
+        raise ValueError(f"LazySource built {len(records)} records, expected {self._length}")
+      self._records = records
+    return self._records
+
+  def __len__(self) -> int:
+    return self._length
+
+  def __getitem__(self, index):
+    return self._all()[index]
 
 
 def _read_batch(source: Any, transform: Callable[[dict[str, Any]], Mapping[str, Any]] | None,

@@ -147,6 +147,7 @@ def tool_use_task(cfg, data_dir: str) -> Task:
   """
   del data_dir
   import functools  # pylint: disable=g-import-not-at-top
+  from lemon_rl.data.pipeline import LazySource  # pylint: disable=g-import-not-at-top
   from lemon_rl.envs import tool_use_task as tut  # pylint: disable=g-import-not-at-top
 
   tokenizer = tut.task_tokenizer(cfg)
@@ -155,7 +156,7 @@ def tool_use_task(cfg, data_dir: str) -> Task:
   budget = tut.completion_budget(cfg)
   return Task(
       tokenizer=tokenizer,
-      sft_source=tut.make_split(cfg, "sft"),
+      sft_source=LazySource(cfg.num_sft, functools.partial(tut.make_split, cfg, "sft")),  # Unused by RL-only runs.
       rl_source=train,
       test_examples=tut.make_split(cfg, "test"),
       validation_examples=tut.make_split(cfg, "validation"),

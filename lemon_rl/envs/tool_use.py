@@ -160,7 +160,8 @@ def _example(category: str, query: str, offered: list[dict[str, Any]], calls: Se
       "functions": offered,
       "gold": [c.gold_call for c in calls],
       "prompt": render_prompt(query, offered),
-      "demonstration": render_completion(_thinking(plan, [n for c in calls for n in c.notes]), [(c.tool, c.args) for c in calls], style),
+      "demonstration": render_completion(_thinking(plan, [n for c in calls for n in c.notes]),
+                                         [(c.tool, c.args) for c in calls], style),
       "num_conversions": sum(len(c.notes) for c in calls),
       "intent": list(dict.fromkeys(c.tool for c in calls)) if intent is None else list(intent),
       "request": [c.gold_call for c in (calls if request is None else request)],
@@ -352,9 +353,8 @@ def _skippable(notes: Sequence[str], args: dict[str, Any], gold: dict[str, list[
   out = []
   for i, note in enumerate(notes):
     written, _, converted = note.partition("=")
-    written = written.split(":")[0].strip()
+    written, converted = written.split(":")[0].strip(), converted.strip()
     for key, value in args.items():
-      converted = converted.strip()
       if _surface(value) in (converted, converted.split(" ")[0]):
         naive = _naive_value(written, value)
         accepted = [world.canonical_value(v) for v in gold.get(key, [])]
