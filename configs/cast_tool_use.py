@@ -8,8 +8,9 @@ model sees short prompts (<= 200 bytes) and clean demonstrations (<= 160 bytes) 
 Headroom design (issue 10): the SFT demonstrations are imperfect (``task.demo_noise``, below), so that each
 mechanism has something to act on: thinking is causally useful where a conversion is needed, easy queries carry
 filler thinking to cut, and structural slips give the six-dimension reward partial credit. RL makes two
-updates per rollout batch (``rl.minibatch_size``), so the second is off-policy and the clipped ratio acts.
-SFT is 2,500 steps x 32 demonstrations (about 28 min on this 2-core CPU); RL is 24 steps of 16 prompts x 8
+updates per rollout batch (``rl.minibatch_size``), so the second is off-policy and the clipped ratio can act
+(in the rerun it clipped almost nothing at the learning rates chosen: experiments/results/cast/reading.md).
+SFT is 2,500 steps x 32 demonstrations (about 30 min on this 2-core CPU); RL is 24 steps of 16 prompts x 8
 completions (about 4 min per run). ``experiments/reproduce_cast.py`` gates the SFT policy (``headroom``),
 chooses each variant's RL learning rate on the validation split and runs 5 seeds.
 
@@ -92,9 +93,9 @@ def get_config(variant: str = "cast") -> config_dict.ConfigDict:
   c.rl.steps = 24
   c.rl.prompts_per_step = 16
   c.rl.num_generations = 8  # G.
-  c.rl.max_new_tokens = 210  # The longest noisy demonstration (160 + 42 bytes) + EOS + slack.
+  c.rl.max_new_tokens = 210  # The longest noisy demonstration (160 + 36 bytes of noise) + EOS + slack.
   c.rl.num_iterations = 1
-  c.rl.minibatch_size = 64  # Two updates per rollout batch, so the second is off-policy and clipping acts.
+  c.rl.minibatch_size = 64  # Two updates per rollout batch, so the second is off-policy and clipping can act.
   c.rl.microbatch_size = 32
   c.rl.learning_rate = 5e-5  # The default; reproduce_cast.py chooses it per variant on validation.
   c.rl.eval_every = 12

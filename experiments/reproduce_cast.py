@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import glob
 import json
 import multiprocessing
 import os
@@ -165,9 +166,7 @@ def run_rl(variant: str, seed: int, lr: float, root: str, overrides: Sequence[st
   workdir = run_dir(root, seed, variant, lr)
   start_from_sft(workdir, root, seed, sft_seed)
   cases = os.path.join(workdir, "cases", "cases.jsonl")
-  siblings = [os.path.join(root, f"seed{seed}", d, "cases", "cases.jsonl")
-              for d in sorted(os.listdir(os.path.join(root, f"seed{seed}"))) if d.startswith("cast")]
-  done = [c for c in siblings if os.path.exists(c)]
+  done = sorted(glob.glob(os.path.join(root, f"seed{seed}", "cast*", "cases", "cases.jsonl")))
   if variant.startswith("cast") and done and not os.path.exists(cases):
     os.makedirs(os.path.dirname(cases), exist_ok=True)
     shutil.copyfile(done[0], cases)
@@ -209,6 +208,10 @@ def final_eval(workdir: str, phase: str) -> dict[str, Any]:
   return evals[-1] if evals else {}
 
 
+def _rows() -> dict[str, list[Any]]:
+  return {"final": [], "seeds": [], "summary": [], "eval_curves": [], "train_curves": [], "profile": []}
+
+
 def collect(root: str, seeds: Sequence[int], chosen: dict[str, float], sft_seed: int | None = None
             ) -> dict[str, Any]:
   """``{variant: {"final": [per-seed final test eval], "seeds", "summary", "eval_curves", "train_curves",
@@ -217,8 +220,7 @@ def collect(root: str, seeds: Sequence[int], chosen: dict[str, float], sft_seed:
   The ``sft_only`` row holds the SFT policy's final test evaluation (greedy, so equal to the RL runs' step 0),
   once per SFT run.
   """
-  out: dict[str, Any] = {"sft_only": {"final": [], "seeds": [], "summary": [], "eval_curves": [], "train_curves": [],
-                                      "profile": []}}
+  out: dict[str, Any] = {"sft_only": _rows()}
   for s in sorted({s if sft_seed is None else sft_seed for s in seeds}):
     workdir = sft_dir(root, s, None)
     if os.path.exists(os.path.join(workdir, "summary.json")):
@@ -227,7 +229,7 @@ def collect(root: str, seeds: Sequence[int], chosen: dict[str, float], sft_seed:
       with open(os.path.join(workdir, "summary.json")) as f:
         out["sft_only"]["summary"].append(json.load(f))
   for variant, lr in chosen.items():
-    rows = {"final": [], "seeds": [], "summary": [], "eval_curves": [], "train_curves": [], "profile": []}
+    rows = _rows()
     for seed in seeds:
       workdir = run_dir(root, seed, variant, lr)
       if not os.path.exists(os.path.join(workdir, "summary.json")):
