@@ -85,6 +85,14 @@ def validation_scores(model, task, config) -> dict[str, float]:
   return {TUNING_METRIC: float(metrics["accuracy"]), "validation/think_len": float(metrics["think_len"])}
 
 
+def headroom_gate(config):
+  """``config.headroom`` as a :class:`lemon_rl.eval.headroom.HeadroomGate` (``num_prompts`` is the sample size)."""
+  from lemon_rl.eval import headroom  # pylint: disable=g-import-not-at-top
+  fields = config.headroom.to_dict()
+  fields.pop("num_prompts")
+  return headroom.HeadroomGate.from_config(fields)
+
+
 def gate_scores(model, task, config) -> dict[str, float]:
   """The gate's statistics of the policy (``config.headroom``; :func:`tool_use_task.gate_statistics`)."""
   from lemon_rl.envs import tool_use_task as tut  # pylint: disable=g-import-not-at-top
@@ -92,7 +100,8 @@ def gate_scores(model, task, config) -> dict[str, float]:
                                  config.rl.num_generations, task.max_new_tokens, seed=10_000 + config.seed,
                                  temperature=config.task.cast.temperature,
                                  batch_size=config.task.cast.rollout_batch_size)
-  return tut.gate_statistics(rollout)
+  gate_ = headroom_gate(config)
+  return tut.gate_statistics(rollout, gate_.length_std_threshold, gate_.reward_atol)
 
 
 FINAL_EVALS = {"validation": validation_scores, "gate": gate_scores}
@@ -190,8 +199,8 @@ def gate(root: str, seed: int, overrides: Sequence[str], sft_seed: int | None, s
   workdir = os.path.join(root, f"seed{seed}", "gate")
   start_from_sft(workdir, root, seed, sft_seed)
   summary = run_variant("sft_only", seed, workdir, overrides, "gate", size)
-  thresholds = load_config("cast", seed, overrides, size).headroom.thresholds
-  return headroom.check_headroom(summary["final_eval"], dict(thresholds), raise_on_failure=False)
+  thresholds = headroom_gate(load_config("cast", seed, overrides, size)).thresholds
+  return headroom.check_headroom(summary["final_eval"], thresholds, raise_on_failure=False)
 
 
 # ---------------------------------------------------------------------------------------------------------

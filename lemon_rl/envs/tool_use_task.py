@@ -470,16 +470,20 @@ def _partial_credit_group_share(rollout: headroom.HeadroomRollout) -> float:
   return float(np.mean(varies & ~exact_varies))
 
 
-def gate_statistics(rollout: headroom.HeadroomRollout) -> dict[str, float]:
+def gate_statistics(rollout: headroom.HeadroomRollout, length_std_threshold: float = 0.0,
+                    reward_atol: float = 0.0) -> dict[str, float]:
   """The CAST gate's statistics: :func:`lemon_rl.eval.headroom.headroom_statistics` (exact match as the reward,
   think length as the length) plus
 
       easy_think_length_std       = mean over the easy groups of std(think length)   (R_think has length to cut)
       partial_credit_group_share  = share of groups where R_tool varies but exact match does not
                                     (the six-dimension reward has a signal the binary one lacks)
+
+  ``length_std_threshold`` and ``reward_atol`` are the gate's (:class:`lemon_rl.eval.headroom.HeadroomGate`).
   """
-  return headroom.headroom_statistics(rollout, custom={"easy_think_length_std": _easy_think_length_std,
-                                                       "partial_credit_group_share": _partial_credit_group_share})
+  return headroom.headroom_statistics(rollout, length_std_threshold=length_std_threshold, reward_atol=reward_atol,
+                                     custom={"easy_think_length_std": _easy_think_length_std,
+                                             "partial_credit_group_share": _partial_credit_group_share})
 
 
 # ---------------------------------------------------------------------------------------------------------
