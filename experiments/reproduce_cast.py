@@ -1,14 +1,15 @@
 r"""Reproduces the CAST experiment (issue 10's discipline); writes experiments/results/cast/.
 
-    python -m experiments.reproduce_cast --seeds=0,1,2,3,4 --sft-seed=0 --learning_rates=3e-5,1e-4 \
+    python -m experiments.reproduce_cast --seeds=0,1,2,3,4 --sft-group=2 --learning_rates=3e-5,1e-4 \
         [--root=/tmp/cast_repro] [--variants=grpo,cast,...] [--workers=2] [--set=rl.steps=20 ...]
 
-1. **SFT** (``sft_only`` variant of ``configs/cast_tool_use.py``) once per seed in ``<root>/seed<s>/sft_only``,
-   or once with ``--sft-seed`` and shared by every seed (the seeds then vary RL sampling, data order and the
-   case library only; the section says so).
-2. **Step-0 headroom gate** on the first seed's SFT policy (``config.headroom``, fixed before the run):
+1. **SFT** (``sft_only`` variant of ``configs/cast_tool_use.py``) in ``<root>/seed<s>/sft_only``: once per seed,
+   or, with ``--sft-group=N``, once per N consecutive seeds (with the first one's seed) and shared by them (those
+   seeds then differ in RL sampling, data order and the case library only; the section says so).
+2. **Step-0 headroom gate** on every SFT policy (``config.headroom``, fixed before the run):
    ``rl.num_generations`` samples of each of the first ``headroom.num_prompts`` validation queries,
-   statistics of :func:`lemon_rl.envs.tool_use_task.gate_statistics`. A failed gate stops the script.
+   statistics of :func:`lemon_rl.envs.tool_use_task.gate_statistics`. A failed gate stops the script before
+   any RL run.
 3. **Tuning on validation**: on the first seed every RL variant runs once per ``--learning_rates`` value (the
    same trials for every variant); the learning rate with the best greedy validation exact match is chosen
    per variant and recorded with :mod:`lemon_rl.eval.tuning` (``<root>/tuning.json``).
@@ -152,26 +153,31 @@ def reseed_sft_checkpoint(directory: str, seed: int) -> None:
       json.dump(meta, f)
 
 
-def sft_dir(root: str, seed: int, sft_seed: int | None) -> str:
-  return os.path.join(root, f"seed{seed if sft_seed is None else sft_seed}", "sft_only")
+def sft_seeds_of(seeds: Sequence[int], group: int) -> dict[int, int]:
+  """``{seed: seed of its SFT run}``: consecutive groups of ``group >= 1`` seeds share the first one's SFT run."""
+  return {seed: seeds[i - i % group] for i, seed in enumerate(seeds)}
+
+
+def sft_dir(root: str, sft_seed: int) -> str:
+  return os.path.join(root, f"seed{sft_seed}", "sft_only")
 
 
 def run_dir(root: str, seed: int, variant: str, lr: float) -> str:
   return os.path.join(root, f"seed{seed}", f"{variant}_lr{lr:g}")
 
 
-def start_from_sft(workdir: str, root: str, seed: int, sft_seed: int | None) -> None:
-  """Copies the seed's finished SFT checkpoint into ``workdir`` (re-marked for ``seed`` if shared)."""
+def start_from_sft(workdir: str, root: str, seed: int, sft_seed: int) -> None:
+  """Copies the finished SFT checkpoint of ``sft_seed`` into ``workdir`` (re-marked for ``seed`` if they differ)."""
   dst = os.path.join(workdir, "checkpoints", "sft")
   if not os.path.exists(dst):
-    copy_tree(os.path.join(sft_dir(root, seed, sft_seed), "checkpoints", "sft"), dst)
-    if sft_seed is not None and sft_seed != seed:
+    copy_tree(os.path.join(sft_dir(root, sft_seed), "checkpoints", "sft"), dst)
+    if sft_seed != seed:
       reseed_sft_checkpoint(dst, seed)
 
 
-def run_rl(variant: str, seed: int, lr: float, root: str, overrides: Sequence[str], sft_seed: int | None,
+def run_rl(variant: str, seed: int, lr: float, sft_seed: int, root: str, overrides: Sequence[str],
            size: str = "") -> dict[str, Any]:
-  """One RL run from the seed's SFT policy at learning rate ``lr``, scored on validation at its end."""
+  """One RL run from the SFT policy of ``sft_seed`` at learning rate ``lr``, scored on validation at its end."""
   workdir = run_dir(root, seed, variant, lr)
   start_from_sft(workdir, root, seed, sft_seed)
   cases = os.path.join(workdir, "cases", "cases.jsonl")
@@ -182,24 +188,23 @@ def run_rl(variant: str, seed: int, lr: float, root: str, overrides: Sequence[st
   return run_variant(variant, seed, workdir, [*overrides, f"rl.learning_rate={lr!r}"], "validation", size)
 
 
-def run_all(jobs: Sequence[tuple[Any, ...]], root: str, overrides: Sequence[str], sft_seed: int | None,
-            workers: int, size: str = "") -> list[dict[str, Any]]:
-  """``run_rl(variant, seed, lr, ...)`` for every ``(variant, seed, lr)``, ``workers`` processes at a time."""
+def run_parallel(fn, jobs: Sequence[tuple[Any, ...]], workers: int) -> list[Any]:
+  """``[fn(*job) for job in jobs]``, ``workers`` processes at a time (in order when ``workers <= 1``)."""
   if workers <= 1:
-    return [run_rl(*job, root, overrides, sft_seed, size) for job in jobs]
+    return [fn(*job) for job in jobs]
   context = multiprocessing.get_context("spawn")  # JAX is not fork-safe.
   with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-    futures = [pool.submit(run_rl, *job, root, list(overrides), sft_seed, size) for job in jobs]
+    futures = [pool.submit(fn, *job) for job in jobs]
     return [f.result() for f in futures]
 
 
-def gate(root: str, seed: int, overrides: Sequence[str], sft_seed: int | None, size: str = ""):
-  """The step-0 gate on ``seed``'s SFT policy (a run with no RL steps in ``<root>/seed<s>/gate``)."""
+def gate(root: str, sft_seed: int, overrides: Sequence[str], size: str = ""):
+  """The step-0 gate on the SFT policy of ``sft_seed`` (a run with no RL steps in ``<root>/seed<s>/gate``)."""
   from lemon_rl.eval import headroom  # pylint: disable=g-import-not-at-top
-  workdir = os.path.join(root, f"seed{seed}", "gate")
-  start_from_sft(workdir, root, seed, sft_seed)
-  summary = run_variant("sft_only", seed, workdir, overrides, "gate", size)
-  thresholds = headroom_gate(load_config("cast", seed, overrides, size)).thresholds
+  workdir = os.path.join(root, f"seed{sft_seed}", "gate")
+  start_from_sft(workdir, root, sft_seed, sft_seed)
+  summary = run_variant("sft_only", sft_seed, workdir, overrides, "gate", size)
+  thresholds = headroom_gate(load_config("cast", sft_seed, overrides, size)).thresholds
   return headroom.check_headroom(summary["final_eval"], thresholds, raise_on_failure=False)
 
 
@@ -221,17 +226,17 @@ def _rows() -> dict[str, list[Any]]:
   return {"final": [], "seeds": [], "summary": [], "eval_curves": [], "train_curves": [], "profile": []}
 
 
-def collect(root: str, seeds: Sequence[int], chosen: dict[str, float], sft_seed: int | None = None
-            ) -> dict[str, Any]:
+def collect(root: str, chosen: dict[str, float], sft_seeds: dict[int, int]) -> dict[str, Any]:
   """``{variant: {"final": [per-seed final test eval], "seeds", "summary", "eval_curves", "train_curves",
-  "profile"}}`` for ``sft_only`` and every variant of ``chosen`` (at its chosen learning rate).
+  "profile"}}`` for ``sft_only`` and every variant of ``chosen`` (at its chosen learning rate), over the seeds
+  of ``sft_seeds`` (``{seed: seed of its SFT run}``).
 
   The ``sft_only`` row holds the SFT policy's final test evaluation (greedy, so equal to the RL runs' step 0),
   once per SFT run.
   """
   out: dict[str, Any] = {"sft_only": _rows()}
-  for s in sorted({s if sft_seed is None else sft_seed for s in seeds}):
-    workdir = sft_dir(root, s, None)
+  for s in sorted(set(sft_seeds.values())):
+    workdir = sft_dir(root, s)
     if os.path.exists(os.path.join(workdir, "summary.json")):
       out["sft_only"]["final"].append(final_eval(workdir, "sft"))
       out["sft_only"]["seeds"].append(s)
@@ -239,7 +244,7 @@ def collect(root: str, seeds: Sequence[int], chosen: dict[str, float], sft_seed:
         out["sft_only"]["summary"].append(json.load(f))
   for variant, lr in chosen.items():
     rows = _rows()
-    for seed in seeds:
+    for seed in sft_seeds:
       workdir = run_dir(root, seed, variant, lr)
       if not os.path.exists(os.path.join(workdir, "summary.json")):
         continue
@@ -260,7 +265,7 @@ def collect(root: str, seeds: Sequence[int], chosen: dict[str, float], sft_seed:
   return out
 
 
-def setup_facts(seeds: Sequence[int], lrs: Sequence[float], overrides: Sequence[str], sft_seed: int | None,
+def setup_facts(seeds: Sequence[int], lrs: Sequence[float], overrides: Sequence[str], sft_seeds: dict[int, int],
                 size: str = "") -> dict[str, Any]:
   """The config facts the section states (saved with the results, so a rerender never reads a config)."""
   c = load_config("cast", seeds[0], overrides, size)
@@ -268,7 +273,8 @@ def setup_facts(seeds: Sequence[int], lrs: Sequence[float], overrides: Sequence[
           "prompts_per_step": c.rl.prompts_per_step, "num_generations": c.rl.num_generations,
           "minibatch_size": c.rl.minibatch_size, "num_iterations": c.rl.num_iterations,
           "demo_noise": c.task.demo_noise.to_dict(), "headroom": c.headroom.to_dict(),
-          "learning_rates": list(lrs), "sft_seed": sft_seed, "eval_examples": c.eval.num_examples}
+          "learning_rates": list(lrs), "sft_seeds": {str(s): t for s, t in sft_seeds.items()},
+          "eval_examples": c.eval.num_examples}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -280,8 +286,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       "for every variant")
   parser.add_argument("--set", dest="overrides", action="append", default=[],
                       help="config override key=value applied to every run, e.g. rl.steps=20")
-  parser.add_argument("--sft-seed", type=int, default=None,
-                      help="run SFT once with this seed and start every seed's RL from it (default: SFT per seed)")
+  parser.add_argument("--sft-group", type=int, default=1,
+                      help="consecutive seeds sharing one SFT run (that of the group's first seed); 1: SFT per seed")
   parser.add_argument("--workers", type=int, default=1, help="RL runs at a time (separate processes)")
   parser.add_argument("--size", default="", help="'tiny': every run at smoke-test size (tests)")
   parser.add_argument("--results-file", default=os.path.join(ROOT, report.RESULTS_FILE),
@@ -294,33 +300,42 @@ def main(argv: Sequence[str] | None = None) -> int:
   unknown = set(variants) - set(RL_VARIANTS)
   if unknown:
     parser.error(f"unknown variants {sorted(unknown)}; expected some of {RL_VARIANTS}")
+  if args.sft_group < 1:
+    parser.error(f"--sft-group must be >= 1, got {args.sft_group}")
+  sft_seeds = sft_seeds_of(seeds, args.sft_group)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   t0 = time.time()
   command = "python -m experiments.reproduce_cast " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
   saved = {"command": command.strip(), "machine": machine.description(), "seeds": seeds, "variants": variants,
-           "overrides": args.overrides, "setup": setup_facts(seeds, lrs, args.overrides, args.sft_seed, args.size),
+           "overrides": args.overrides, "setup": setup_facts(seeds, lrs, args.overrides, sft_seeds, args.size),
            "done": False}
 
   def log(msg: str) -> None:
     print(f"[{(time.time() - t0) / 60:.1f} min] {msg}", flush=True)
 
-  for s in sorted({s if args.sft_seed is None else args.sft_seed for s in seeds}):
-    log(f"SFT, seed {s}")
-    run_variant("sft_only", s, sft_dir(args.root, s, None), args.overrides, size=args.size)
-  checked = gate(args.root, seeds[0], args.overrides, args.sft_seed, args.size)
-  saved["headroom"] = checked.to_dict()
+  sft_runs = sorted(set(sft_seeds.values()))
+  log(f"SFT, seeds {sft_runs}")
+  run_parallel(run_variant, [("sft_only", s, sft_dir(args.root, s), args.overrides, None, args.size)
+                             for s in sft_runs], args.workers)
+  checked = {s: gate(args.root, s, args.overrides, args.size) for s in sft_runs}
+  saved["headroom"] = {str(s): c.to_dict() for s, c in checked.items()}
   results_md.save_results(saved, args.results_file)
-  log("step-0 headroom gate: " + "; ".join(str(c) for c in checked.checks))
-  if not checked.passed:
+  for s, c in checked.items():
+    log(f"step-0 headroom gate, SFT seed {s}: " + "; ".join(str(check) for check in c.checks))
+  failed = [c for c in checked.values() if not c.passed]
+  if failed:
     from lemon_rl.eval import headroom  # pylint: disable=g-import-not-at-top
-    raise headroom.HeadroomError(checked)
+    raise headroom.HeadroomError(failed[0])
 
   from lemon_rl.eval import tuning  # pylint: disable=g-import-not-at-top
-  jobs = [(v, seeds[0], lr) for lr in lrs for v in variants]  # A cast run's case library serves the next ones.
-  log(f"tuning: {len(jobs)} runs on seed {seeds[0]}")
-  summaries = run_all(jobs, args.root, args.overrides, args.sft_seed, args.workers, args.size)
+  def rl_jobs(runs):  # (variant, seed, lr) -> the arguments of run_rl.
+    return [(v, seed, lr, sft_seeds[seed], args.root, args.overrides, args.size) for v, seed, lr in runs]
+
+  tuned = [(v, seeds[0], lr) for lr in lrs for v in variants]  # A cast run's case library serves the next ones.
+  log(f"tuning: {len(tuned)} runs on seed {seeds[0]}")
+  summaries = run_parallel(run_rl, rl_jobs(tuned), args.workers)
   trials = {v: [] for v in variants}
-  for (v, _, lr), summary in zip(jobs, summaries):
+  for (v, _, lr), summary in zip(tuned, summaries):
     trials[v].append({"params": {"learning_rate": lr}, "score": summary["final_eval"][TUNING_METRIC]})
   choice = tuning.record_choice(os.path.join(args.root, "tuning.json"), trials, split=TUNING_SPLIT,
                                 metric=f"greedy {TUNING_METRIC}")
@@ -328,10 +343,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   chosen = {v: choice.params(v)["learning_rate"] for v in variants}
   log("chosen learning rates: " + ", ".join(f"{v} {lr:g}" for v, lr in chosen.items()))
 
-  jobs = [(v, seed, chosen[v]) for seed in seeds[1:] for v in variants]
+  jobs = rl_jobs([(v, seed, chosen[v]) for seed in seeds[1:] for v in variants])
   log(f"{len(jobs)} runs on seeds {seeds[1:]}")
-  run_all(jobs, args.root, args.overrides, args.sft_seed, args.workers, args.size)
-  saved["results"] = collect(args.root, seeds, chosen, args.sft_seed)
+  run_parallel(run_rl, jobs, args.workers)
+  saved["results"] = collect(args.root, chosen, sft_seeds)
   saved["total_s"] = time.time() - t0
   saved["done"] = True
   plots = report.plot(saved["results"], args.plot_dir)

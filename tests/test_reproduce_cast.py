@@ -73,14 +73,14 @@ def test_collect_reads_the_chosen_learning_rate_and_one_sft_row_per_sft_run(tmp_
       _write_run(tmp_path / f"seed{seed}" / f"grpo_lr{lr:g}",
                  [{"phase": "eval_rl", "step": 0, "accuracy": 0.5},
                   {"phase": "eval_rl", "step": 4, "accuracy": acc + 0.1 * seed}])
-  shared = reproduce_cast.collect(str(tmp_path), [0, 1], {"grpo": 1e-4}, sft_seed=0)
+  shared = reproduce_cast.collect(str(tmp_path), {"grpo": 1e-4}, {0: 0, 1: 0})
   assert [f["accuracy"] for f in shared["sft_only"]["final"]] == [0.5]
   assert [f["accuracy"] for f in shared["grpo"]["final"]] == [0.6, 0.7] and shared["grpo"]["seeds"] == [0, 1]
 
 
 def _reproduce(root, *extra):
   return subprocess.run(
-      [sys.executable, "-m", "experiments.reproduce_cast", "--size=tiny", "--seeds=0,1", "--sft-seed=0",
+      [sys.executable, "-m", "experiments.reproduce_cast", "--size=tiny", "--seeds=0,1,2", "--sft-group=2",
        "--variants=grpo,cast", "--learning_rates=1e-3,1e-2", f"--root={root}", f"--results-file={root}/results.json",
        f"--plot-dir={root}/plots", *extra],
       cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
@@ -96,8 +96,10 @@ def tiny_reproduction(tmp_path_factory):
 
 def test_tiny_reproduction_gates_tunes_on_validation_then_runs_the_other_seeds(tiny_reproduction):
   root, saved = tiny_reproduction
-  assert saved["done"] and saved["headroom"]["passed"]
-  assert {c["statistic"] for c in saved["headroom"]["checks"]} == {"signal_group_share", "partial_credit_group_share"}
+  assert saved["done"] and sorted(saved["headroom"]) == ["0", "2"]  # One gate per SFT policy.
+  for gate in saved["headroom"].values():
+    assert gate["passed"]
+    assert {c["statistic"] for c in gate["checks"]} == {"signal_group_share", "partial_credit_group_share"}
   tuning = saved["tuning"]
   assert tuning["split"] == "validation" and tuning["trials_per_arm"] == 2
   for variant in ("grpo", "cast"):
@@ -108,10 +110,14 @@ def test_tiny_reproduction_gates_tunes_on_validation_then_runs_the_other_seeds(t
     for t in rec["trials"]:  # Each trial's score is its run's validation accuracy.
       summary = json.loads((root / "seed0" / f"{variant}_lr{t['params']['learning_rate']:g}" / "summary.json").read_text())
       assert summary["final_eval"]["validation/accuracy"] == t["score"]
-    # Seed 1 ran only at the chosen learning rate, from the shared SFT policy.
-    assert sorted(p.name for p in (root / "seed1").iterdir() if p.name.startswith(variant + "_")) == [f"{variant}_lr{lr:g}"]
-    assert saved["results"][variant]["seeds"] == [0, 1]
-  assert not (root / "seed1" / "sft_only").exists()
+    # Seeds 1 and 2 ran only at the chosen learning rate; seed 1 from seed 0's SFT policy, seed 2 from its own.
+    for seed in (1, 2):
+      runs = [p.name for p in (root / f"seed{seed}").iterdir() if p.name.startswith(variant + "_")]
+      assert runs == [f"{variant}_lr{lr:g}"]
+    assert saved["results"][variant]["seeds"] == [0, 1, 2]
+  assert not (root / "seed1" / "sft_only").exists() and (root / "seed2" / "sft_only" / "summary.json").exists()
+  assert saved["results"]["sft_only"]["seeds"] == [0, 2]
+  assert "seeds 0, 1 from SFT seed 0; seed 2 from SFT seed 2" in cast_report.render(saved)
   lr = tuning["arms"]["cast"]["chosen_params"]["learning_rate"]
   assert (root / "seed1" / f"cast_lr{lr:g}" / "cases" / "profile.json").exists()
   assert "### The paper's directions on this run" in cast_report.render(saved)
@@ -129,9 +135,20 @@ def test_a_failed_gate_stops_before_any_rl_run(tmp_path):
   proc = _reproduce(tmp_path, "--set=headroom.thresholds.min_signal_group_share=1.5")
   assert proc.returncode != 0 and "step-0 headroom gate failed: signal_group_share" in proc.stderr
   saved = json.loads((tmp_path / "results.json").read_text())
-  assert not saved["headroom"]["passed"] and "results" not in saved
-  assert sorted(p.name for p in (tmp_path / "seed0").iterdir()) == ["gate", "sft_only"]
+  assert not saved["headroom"]["0"]["passed"] and "results" not in saved
+  for seed in (0, 2):  # Both SFT policies were gated; no RL run started.
+    assert sorted(p.name for p in (tmp_path / f"seed{seed}").iterdir()) == ["gate", "sft_only"]
+  assert not (tmp_path / "seed1").exists()
   assert "FAILED" in cast_report.render(saved)
+
+
+def test_sft_groups_share_the_first_seeds_sft_run(capsys):
+  assert reproduce_cast.sft_seeds_of([0, 1, 2, 3, 4], 2) == {0: 0, 1: 0, 2: 2, 3: 2, 4: 4}
+  assert reproduce_cast.sft_seeds_of([3, 5], 1) == {3: 3, 5: 5}
+  assert reproduce_cast.sft_seeds_of([3, 5], 9) == {3: 3, 5: 3}
+  with pytest.raises(SystemExit):
+    reproduce_cast.main(["--sft-group=0"])
+  assert "--sft-group must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_equal_means_are_no_difference_in_either_direction():

@@ -1,8 +1,8 @@
 """The CAST section: every RL variant from the SFT policy, tuned on validation (METHODS.md section 1; issue 10).
 
 ``saved`` (written by :mod:`experiments.reproduce_cast`): ``command``, ``machine``, ``seeds``, ``variants``,
-``overrides``, ``setup`` (the config facts the text states), ``headroom`` (the step-0 gate's statistics and
-checks), ``tuning`` (the :mod:`lemon_rl.eval.tuning` record), ``results`` (``{variant: {"final", "seeds",
+``overrides``, ``setup`` (the config facts the text states), ``headroom`` (``{SFT seed: the step-0 gate's
+statistics and checks on that SFT policy}``), ``tuning`` (the :mod:`lemon_rl.eval.tuning` record), ``results`` (``{variant: {"final", "seeds",
 "summary", "eval_curves", "train_curves", "profile"}}``, see ``reproduce_cast.collect``; absent until every run
 finished) and ``total_s``.
 """
@@ -17,7 +17,7 @@ import numpy as np
 TITLE = "CAST"
 RESULTS_FILE = "experiments/results/cast/results.json"
 PLOT_DIR = "experiments/results/cast"
-COMMAND = ("python -m experiments.reproduce_cast --seeds=0,1,2,3,4 --sft-seed=0 --learning_rates=3e-5,1e-4 "
+COMMAND = ("python -m experiments.reproduce_cast --seeds=0,1,2,3,4 --sft-group=2 --learning_rates=3e-5,1e-4 "
            "--workers=2")
 MISSING = "Not run yet with the headroom design of issue 10 (the previous run's splits leaked and were withdrawn)."
 CATEGORIES = ("simple", "multiple", "parallel", "parallel_multiple", "irrelevance")
@@ -215,8 +215,7 @@ def findings(results: dict[str, Any], family_alpha: float = 0.05) -> list[str]:
 def _setup_lines(saved: Mapping[str, Any]) -> list[str]:
   st = saved["setup"]
   noise = st["demo_noise"]
-  sft = (f"one SFT run (seed {st['sft_seed']}) shared by every seed, so the seeds vary RL sampling, data order "
-         "and the case library, not the SFT policy" if st["sft_seed"] is not None else "one SFT run per seed")
+  sft = _sft_design(st["sft_seeds"])
   return [
       f"Command: `{saved['command']}` on {saved['machine']}. Config `configs/cast_tool_use.py`"
       + (f" with {' '.join(saved['overrides'])}" if saved["overrides"] else "") + ".", "",
@@ -231,15 +230,30 @@ def _setup_lines(saved: Mapping[str, Any]) -> list[str]:
       "± 95% t-interval over the seeds (n shown).", ""]
 
 
+def _sft_design(sft_seeds: Mapping[str, int]) -> str:
+  """How RL seeds share SFT runs (``sft_seeds``: ``{RL seed: seed of its SFT run}``)."""
+  groups: dict[int, list[str]] = {}
+  for seed, sft_seed in sft_seeds.items():
+    groups.setdefault(sft_seed, []).append(seed)
+  if all(len(g) == 1 for g in groups.values()):
+    return "one SFT run per seed"
+  shared = "; ".join(f"seed{'s' if len(g) > 1 else ''} {', '.join(g)} from SFT seed {s}" for s, g in groups.items())
+  return (f"{len(groups)} SFT runs ({shared}): seeds that share an SFT run differ in RL sampling, data order and "
+          "the case library only")
+
+
 def _gate_line(saved: Mapping[str, Any]) -> str:
-  gate = saved.get("headroom")
-  if not gate:
+  gates = saved.get("headroom")
+  if not gates:
     return "Step-0 headroom gate: not run."
-  checks = "; ".join(f"{c['statistic']} = {c['value']:.3f} ({'>=' if c['bound'] == 'min' else '<='} "
-                     f"{c['threshold']:g}: {'ok' if c['passed'] else 'FAILED'})" for c in gate["checks"])
-  return (f"Step-0 headroom gate (the first seed's SFT policy, {saved['setup']['num_generations']} samples of each "
+  per_sft = []
+  for sft_seed, gate in gates.items():
+    checks = "; ".join(f"{c['statistic']} = {c['value']:.3f} ({'>=' if c['bound'] == 'min' else '<='} "
+                       f"{c['threshold']:g}: {'ok' if c['passed'] else 'FAILED'})" for c in gate["checks"])
+    per_sft.append(f"SFT seed {sft_seed}: {checks}")
+  return (f"Step-0 headroom gate (every SFT policy, {saved['setup']['num_generations']} samples of each "
           f"of {saved['setup']['headroom']['num_prompts']} validation queries, thresholds fixed in the config): "
-          f"{checks}.")
+          + ". ".join(per_sft) + ".")
 
 
 def _tuning_lines(saved: Mapping[str, Any]) -> list[str]:
