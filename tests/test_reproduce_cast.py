@@ -117,7 +117,7 @@ def test_tiny_reproduction_gates_tunes_on_validation_then_runs_the_other_seeds(t
     assert saved["results"][variant]["seeds"] == [0, 1, 2]
   assert not (root / "seed1" / "sft_only").exists() and (root / "seed2" / "sft_only" / "summary.json").exists()
   assert saved["results"]["sft_only"]["seeds"] == [0, 2]
-  assert "seeds 0, 1 from SFT seed 0; seed 2 from SFT seed 2" in cast_report.render(saved)
+  assert "SFT: 2 runs (seeds 0, 1 from SFT seed 0; seed 2 from SFT seed 2)" in cast_report.render(saved)
   lr = tuning["arms"]["cast"]["chosen_params"]["learning_rate"]
   assert (root / "seed1" / f"cast_lr{lr:g}" / "cases" / "profile.json").exists()
   assert "### The paper's directions on this run" in cast_report.render(saved)

@@ -219,7 +219,7 @@ def _setup_lines(saved: Mapping[str, Any]) -> list[str]:
   return [
       f"Command: `{saved['command']}` on {saved['machine']}. Config `configs/cast_tool_use.py`"
       + (f" with {' '.join(saved['overrides'])}" if saved["overrides"] else "") + ".", "",
-      f"Design: {sft}, {st['sft_steps']} steps x {st['sft_batch']} demonstrations made imperfect "
+      f"Design: SFT of {st['sft_steps']} steps x {st['sft_batch']} demonstrations made imperfect "
       f"(`lemon_rl.envs.tool_use.DemoNoise`): a conversion skipped with probability {noise['skip_conversion']} "
       f"per call that needs one (note dropped, the query's own value passed), filler sentences in "
       f"{noise['filler']:.0%} of the think blocks, a look-alike key in {noise['look_alike_key']:.0%} and a "
@@ -227,7 +227,7 @@ def _setup_lines(saved: Mapping[str, Any]) -> list[str]:
       f"{st['prompts_per_step']} prompts x {st['num_generations']} completions, minibatches of "
       f"{st['minibatch_size']} ({st['prompts_per_step'] * st['num_generations'] // max(st['minibatch_size'], 1)} "
       "updates per batch). Held-out: the `tool_use` test split, greedy BFCL exact match; every cell is the mean "
-      "± 95% t-interval over the seeds (n shown).", ""]
+      f"± 95% t-interval over the seeds (n shown). SFT: {sft}.", ""]
 
 
 def _sft_design(sft_seeds: Mapping[str, int]) -> str:
@@ -236,10 +236,10 @@ def _sft_design(sft_seeds: Mapping[str, int]) -> str:
   for seed, sft_seed in sft_seeds.items():
     groups.setdefault(sft_seed, []).append(seed)
   if all(len(g) == 1 for g in groups.values()):
-    return "one SFT run per seed"
+    return "one run per seed"
   shared = "; ".join(f"seed{'s' if len(g) > 1 else ''} {', '.join(g)} from SFT seed {s}" for s, g in groups.items())
-  return (f"{len(groups)} SFT runs ({shared}): seeds that share an SFT run differ in RL sampling, data order and "
-          "the case library only")
+  return (f"{len(groups)} run{'s' if len(groups) > 1 else ''} ({shared}); seeds that share an SFT run differ "
+          "in RL sampling, data order and the case library only, so the intervals do not cover that SFT variation")
 
 
 def _gate_line(saved: Mapping[str, Any]) -> str:
