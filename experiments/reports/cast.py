@@ -270,6 +270,21 @@ def _tuning_lines(saved: Mapping[str, Any]) -> list[str]:
   return rows
 
 
+def _per_seed_lines(saved: Mapping[str, Any]) -> list[str]:
+  """Overall / irrelevance exact match per RL seed, with the SFT policy each seed started from."""
+  results, sft_seeds = saved["results"], saved["setup"]["sft_seeds"]
+  seeds = [str(s) for s in saved["seeds"]]
+  header = "| variant | " + " | ".join(f"seed {s} (SFT {sft_seeds[s]})" for s in seeds) + " |"
+  lines = ["### Per seed: exact accuracy overall / on irrelevance queries (%)", "", header,
+           "|" + "---|" * (len(seeds) + 1)]
+  for v, rows in results.items():
+    by_seed = {str(s): f for s, f in zip(rows["seeds"], rows["final"])}
+    start = [by_seed.get(str(sft_seeds[s]) if v == "sft_only" else s) for s in seeds]
+    cells = [f"{100 * f['accuracy']:.1f} / {100 * f['acc_irrelevance']:.1f}" if f else "-" for f in start]
+    lines.append(f"| {v} | " + " | ".join(cells) + " |")
+  return lines
+
+
 def render(saved: Mapping[str, Any]) -> str:
   lines = [*_setup_lines(saved), _gate_line(saved), "", *_tuning_lines(saved), ""]
   if not saved.get("results"):
@@ -311,6 +326,7 @@ def render(saved: Mapping[str, Any]) -> str:
                  f"{fmt([f.get('completion_length') for f in final])} | "
                  f"{fmt(nav if v != 'sft_only' else [], digits=3)} | {fmt(share if v != 'sft_only' else [], digits=3)} | "
                  f"{'/'.join(sorted(set(steps)))} | {fmt(wall, digits=0)} |")
+  lines += ["", *_per_seed_lines(saved)]
   lines += ["", "### The paper's directions on this run", ""] + findings(results) + [""]
   profiles = results.get("cast", {}).get("profile", [])
   if profiles:
@@ -321,6 +337,7 @@ def render(saved: Mapping[str, Any]) -> str:
                    f"baselines L_emp {p['baselines']} tokens, failure rates "
                    f"{ {k: round(x, 2) for k, x in p['failure_rates'].items()} }, {p.get('frac_hardest', float('nan')):.0%} "
                    f"of the queries at H = 1, sampled in {p['sample_s']} s")
-  lines += ["", f"Total wall time of the script: {saved['total_s'] / 60:.1f} min.", "",
+  lines += ["", f"Wall time of the script's last invocation (finished runs are read back, not rerun): "
+            f"{saved['total_s'] / 60:.1f} min.", "",
             "Plots: " + ", ".join(f"`{os.path.join(PLOT_DIR, name)}`" for name in PLOTS), ""]
   return "\n".join(lines)
