@@ -2,9 +2,9 @@
 
 ``saved`` (written by :mod:`experiments.reproduce_cast`): ``command``, ``machine``, ``seeds``, ``variants``,
 ``overrides``, ``setup`` (the config facts the text states), ``headroom`` (``{SFT seed: the step-0 gate's
-statistics and checks on that SFT policy}``), ``tuning`` (the :mod:`lemon_rl.eval.tuning` record), ``results`` (``{variant: {"final", "seeds",
-"summary", "eval_curves", "train_curves", "profile"}}``, see ``reproduce_cast.collect``; absent until every run
-finished) and ``total_s``.
+statistics and checks on that SFT policy}``), ``tuning`` (the :mod:`lemon_rl.eval.tuning` record), ``results``
+(``{variant: {"final", "seeds", "summary", "eval_curves", "train_curves", "profile"}}``, see
+``reproduce_cast.collect``; absent until every run finished) and ``total_s``.
 """
 
 from __future__ import annotations
@@ -239,7 +239,8 @@ def _sft_design(sft_seeds: Mapping[str, int]) -> str:
     return "one run per seed"
   shared = "; ".join(f"seed{'s' if len(g) > 1 else ''} {', '.join(g)} from SFT seed {s}" for s, g in groups.items())
   return (f"{len(groups)} run{'s' if len(groups) > 1 else ''} ({shared}); seeds that share an SFT run differ "
-          "in RL sampling, data order and the case library only, so the intervals do not cover that SFT variation")
+          "in RL sampling, data order and the case library only, so the intervals cover SFT variation only across "
+          "these runs")
 
 
 def _gate_line(saved: Mapping[str, Any]) -> str:
