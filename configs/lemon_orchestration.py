@@ -20,8 +20,11 @@ Sizing pilot (``pilot`` variant, one seed, programmatic workers, 2 shared CPU co
 updates, edits) about 15-20 CPU-s. After 100 SFT steps the greedy spec was always valid (held-out accuracy
 0.78, two agents, about 340 worker tokens), but only 2% of the specs sampled at temperature 1 parsed, so the
 step-0 gate failed (valid share, signal groups) and six LEMON steps drifted to one-agent specs (the few valid
-samples were the short ones): the ``cpu`` variant's 600 SFT steps are the minimum to try, and the step-0
-check is there to say whether they suffice before any RL compute is spent. At those rates all seven arms
+samples were the short ones). With the ``cpu`` variant's 600 SFT steps (the ``pilot`` config with
+``sft.steps = 600``, seed 0, programmatic workers, 2026-12-02: 1,112 CPU-s of SFT) the step-0 check passes on
+100 validation problems x 8 specs: 84% of the temperature-1 specs are valid, every group carries signal, and the
+chance that one edit of a family, drawn as the trainer draws it, flips a valid spec's task success is 0.43
+(drop_edge), 0.26 (reset_duty) and 0.11 (lower_capacity), against the thresholds below. At those rates all seven arms
 over five seeds of the ``cpu`` variant (600 SFT steps, six RL arms of 200 steps) are about 30 CPU-hours plus
 the worker models: an accelerator job.
 """
