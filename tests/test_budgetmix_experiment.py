@@ -193,7 +193,8 @@ def _saved(gigpo_mix_25: float):
                                              "checks": [{"statistic": "pass_at_8_25", "bound": "min",
                                                          "threshold": 0.05, "value": 0.4, "passed": True}]},
                   "arms": {arm: {"final": {"test": _evaluation(*v)}} for arm, v in final.items()}})
-  setup = {"num_sft": 100, "sft_steps": 10, "rl_steps": 5, "maps_per_step": 2, "group_size": 4, "num_samples": 16,
+  setup = {"num_sft": 100, "sft_steps": 10, "rl_steps": 5, "maps_per_step": 2, "group_size": 4, "learning_rate": 1e-4,
+           "num_samples": 16,
            "temperature": 1.0, "fractions": [0.25, 0.5, 0.75, 1.0], "recovery_fraction": 0.5, "max_k": 8,
            "splits": ["test"], "num_maps": {"test": 4}}
   return {"command": "cmd", "machine": "cpu", "family_alpha": 0.05, "setup": setup, "arms": ARMS, "seeds": seeds}
@@ -217,6 +218,7 @@ def test_report_verdicts_follow_the_intervals():
   assert v["BudgetMix GiGPO - full-budget GiGPO, recovery after an injected error"] == "not distinguishable"
   assert re.search(r"\| base \(SFT\) \| 0\.\d{3} ± 0\.\d{3} \|", text)  # Mean ± CI over the 5 seeds.
   assert "- the gain comes from recovery after errors:" in text
+  assert "learning rate 0.0001 in every arm, the library's RL default, not tuned for any arm" in text
   # Without the GiGPO arms the family is the 4 GRPO directions (Holm over 4, not 8).
   saved = _saved(gigpo_mix_25=0.15)
   saved["arms"] = ARMS[:3]

@@ -163,7 +163,8 @@ def render(saved: Mapping[str, Any]) -> str:
   lines += [
       f"Per seed one multi-turn SFT on {setup['num_sft']} noisy-expert demonstrations ({setup['sft_steps']} steps) "
       f"is the base policy and the start of every RL arm ({setup['rl_steps']} steps x {setup['maps_per_step']} maps "
-      f"x {setup['group_size']} episodes). Pass@k at a budget of 25/50/75/100% of T_max (4x the shortest path): "
+      f"x {setup['group_size']} episodes; learning rate {setup['learning_rate']:g} in every arm, the library's RL "
+      "default, not tuned for any arm). Pass@k at a budget of 25/50/75/100% of T_max (4x the shortest path): "
       f"{setup['num_samples']} episodes per map at temperature {setup['temperature']:g}; *prompted* re-runs the "
       "policy with the budget in its prompt, *truncated* counts the full-budget episodes that succeeded within it. "
       f"Step quality is Q*(s, a) / max Q*(s, .) (gamma 0.95) of the full-budget episodes' moves; recovery is the "
