@@ -1,12 +1,14 @@
-"""What every reproduction records about where and how long it ran."""
+"""Where and how long every reproduction ran, and how it spreads its runs over this machine's CPUs."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import multiprocessing
 import os
 import platform
 import resource
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 
 def cpu_model() -> str:
@@ -32,3 +34,17 @@ def timed(fn: Callable[..., Any], *args, **kwargs) -> tuple[Any, dict[str, float
   usage1 = resource.getrusage(resource.RUSAGE_SELF)
   return result, {"wall_s": time.time() - t0, "user_s": usage1.ru_utime - usage0.ru_utime,
                   "system_s": usage1.ru_stime - usage0.ru_stime}
+
+
+def run_parallel(fn: Callable[..., Any], jobs: Sequence[tuple[Any, ...]], workers: int) -> list[Any]:
+  """``[fn(*job) for job in jobs]``, ``workers`` processes at a time (in order when ``workers <= 1``).
+
+  ``fn`` and the jobs must pickle (a module-level function; configs as ``ConfigDict``); each process is
+  spawned, not forked (JAX is not fork-safe), so it starts with a fresh JAX.
+  """
+  if workers <= 1:
+    return [fn(*job) for job in jobs]
+  context = multiprocessing.get_context("spawn")
+  with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+    futures = [pool.submit(fn, *job) for job in jobs]
+    return [f.result() for f in futures]

@@ -1,26 +1,27 @@
 r"""BudgetMix on text FrozenLake over seeds: base (SFT), full-budget and BudgetMix GRPO / GiGPO (PPO optional).
 
-    python -m experiments.reproduce_budgetmix --workdir=runs/budgetmix --seeds=0,1,2,3,4 \
+    python -m experiments.reproduce_budgetmix --workdir=runs/budgetmix --seeds=0,1,2,3,4 [--workers=2] \
         [--arms=base,grpo_full,grpo_budgetmix,gigpo_full,gigpo_budgetmix] \
         [--config=configs/budgetmix_frozenlake.py:cpu --config.multiturn_rl.steps=...]
 
-Per seed (``<workdir>/seed_<s>/<arm>``, every run resumable; a finished arm's evaluation is re-read from its
-``final_eval.json``):
+Runs live in ``<workdir>/seed_<s>/<arm>``; every run resumes, and a finished arm's evaluation is re-read from its
+``final_eval.json``. ``--workers=N`` runs N of them at a time, each in its own process.
 
-1. ``base``: the config with ``multiturn_rl.steps = 0``: multi-turn SFT, then the step-0 headroom gate on
-   validation maps (:func:`headroom_report`: the base policy's Pass@K at every budget fraction, prompted, against
-   ``config.headroom.thresholds``). A failed gate stops the whole run with a message naming every failed
-   statistic (the results file records it), before any RL is spent.
-2. every RL arm (``<estimator>_<budget_mode>``) copies the base run's ``checkpoints/multiturn_sft`` (the shared
-   SFT of the seed; the runner then skips SFT) and runs ``multiturn_rl`` with that estimator and budget mode.
+1. ``base``, for every seed first: the config with ``multiturn_rl.steps = 0``: multi-turn SFT, then the step-0
+   headroom gate on validation maps (:func:`headroom_report`: the base policy's Pass@K at every budget fraction,
+   prompted, against ``config.headroom.thresholds``). If any seed's gate fails, the run stops with a message
+   naming every failed statistic (the results file records it), before any RL is spent.
+2. every RL arm (``<estimator>_<budget_mode>``) of every seed copies the seed's base run's
+   ``checkpoints/multiturn_sft`` (the shared SFT of the seed; the runner then skips SFT) and runs
+   ``multiturn_rl`` with that estimator and budget mode.
 3. every arm (base included) is evaluated on the test maps of ``config.final_eval.splits`` (``test``: 4-6,
    ``test_8x8``) with :func:`lemon_rl.eval.budget_eval.evaluate_budgets`: Pass@1..K at 25/50/75/100% of
    ``T_max`` in the prompted and truncated modes, step quality against ``Q*``, recovery from an injected error at
    ``final_eval.recovery_fraction``. Once all arms of a seed are done, step quality is also summarised on the
    ``(map, state, remaining turns)`` keys every arm visited (matched states).
 
-The results go to ``experiments/results/budgetmix/results.json`` (committed) after every arm, and
-``experiments/RESULTS.md`` is regenerated (section :mod:`experiments.reports.budgetmix`).
+The results go to ``experiments/results/budgetmix/results.json`` (committed) after the base runs and at the
+end, and ``experiments/RESULTS.md`` is regenerated (section :mod:`experiments.reports.budgetmix`).
 
 Sizing loop: ``--headroom_only --arms=base --seeds=0 [--config.multiturn_sft.steps=...]`` runs only the base SFT
 and the gate and prints its statistics. Pilot (2026-12-01, this 2-core CPU while another experiment kept it at a
@@ -64,6 +65,7 @@ config_flags.DEFINE_config_file("config", "configs/budgetmix_frozenlake.py:cpu",
                                 "The experiment config (every arm's; --config.a.b=value overrides).")
 flags.DEFINE_string("workdir", None, "Root directory; one sub-directory per seed and arm (resumable).")
 flags.DEFINE_string("seeds", "0,1,2,3,4", "Comma-separated seeds.")
+flags.DEFINE_integer("workers", 1, "Runs at a time, each in its own process (the base runs, then the RL runs).")
 flags.DEFINE_string("arms", "base,grpo_full,grpo_budgetmix,gigpo_full,gigpo_budgetmix",
                     "Comma-separated arms: base first, then <grpo|gigpo|ppo>_<full|budgetmix>.")
 flags.DEFINE_string("results_file", report.RESULTS_FILE,
@@ -243,6 +245,10 @@ def setup_record(config, arms: Sequence[str]) -> dict[str, Any]:
           "arms": list(arms)}
 
 
+def arm_dir(seed: int, arm: str) -> str:
+  return os.path.join(FLAGS.workdir, f"seed_{seed}", arm)
+
+
 def main(argv):
   del argv
   config = FLAGS.config
@@ -254,41 +260,43 @@ def main(argv):
     arm_config(config, arm, 0)  # Validates the names before anything runs.
   saved = {"command": "python -m experiments.reproduce_budgetmix " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
            "machine": machine.description(), "family_alpha": FLAGS.family_alpha,
-           "setup": setup_record(config, arms), "arms": arms, "seeds": []}
-  for seed in seeds:
-    root = os.path.join(FLAGS.workdir, f"seed_{seed}")
-    entry = {"seed": seed, "arms": {}}
-    saved["seeds"].append(entry)
-    dirs = {}
-    for arm in arms:
-      dirs[arm] = os.path.join(root, arm)
-      if arm != "base":
-        sft = os.path.join(dirs[arm], "checkpoints", "multiturn_sft")
-        if not os.path.exists(sft):
-          shutil.copytree(os.path.join(dirs["base"], "checkpoints", "multiturn_sft"), sft)
-      record = run_arm(arm_config(config, arm, seed), dirs[arm], gate=arm == "base",
-                       headroom_only=FLAGS.headroom_only)
-      if "headroom" in record:
-        entry["headroom"] = record.pop("headroom")
-      if FLAGS.headroom_only:
-        print(f"seed {seed}:", json.dumps({**entry["headroom"]["statistics"], "passed": entry["headroom"]["passed"],
-                                           **{k: record.get(k) for k in ("wall_s", "user_s", "phase_wall_s")}}))
-        break
-      if "stopped" in record:
-        saved["stopped"] = f"seed {seed}: {record['stopped']}"
-        results_md.save_results(saved, FLAGS.results_file)
-        sys.exit(saved["stopped"])
-      entry["arms"][arm] = record
-      results_md.save_results(saved, FLAGS.results_file)
+           "setup": setup_record(config, arms), "arms": arms,
+           "seeds": [{"seed": seed, "arms": {}} for seed in seeds]}
+
+  bases = machine.run_parallel(run_arm, [(arm_config(config, "base", s), arm_dir(s, "base"), True,
+                                          FLAGS.headroom_only) for s in seeds], FLAGS.workers)
+  for entry, record in zip(saved["seeds"], bases):
+    entry["headroom"] = record.pop("headroom")
     if FLAGS.headroom_only:
-      continue
-    for split in config.final_eval.splits:
-      for arm, q in matched_quality(dirs, split).items():
-        entry["arms"][arm]["final"][split]["matched_quality"] = {"full": q}
-    results_md.save_results(saved, FLAGS.results_file)
+      timing = {k: record.get(k) for k in ("wall_s", "user_s", "phase_wall_s")}
+      print(f"seed {entry['seed']}:", json.dumps({**entry["headroom"]["statistics"],
+                                                   "passed": entry["headroom"]["passed"], **timing}))
   if FLAGS.headroom_only:
     return
-  print(results_md.publish(saved, FLAGS.results_file, report))
+  stopped = [f"seed {entry['seed']}: {record['stopped']}" for entry, record in zip(saved["seeds"], bases)
+             if "stopped" in record]
+  if stopped:
+    saved["stopped"] = " ".join(stopped)
+    results_md.save_results(saved, FLAGS.results_file)
+    sys.exit(saved["stopped"])
+  for entry, record in zip(saved["seeds"], bases):
+    entry["arms"]["base"] = record
+  results_md.save_results(saved, FLAGS.results_file)
+
+  runs = [(entry, arm) for entry in saved["seeds"] for arm in arms[1:]]
+  for entry, arm in runs:
+    sft = os.path.join(arm_dir(entry["seed"], arm), "checkpoints", "multiturn_sft")
+    if not os.path.exists(sft):
+      shutil.copytree(os.path.join(arm_dir(entry["seed"], "base"), "checkpoints", "multiturn_sft"), sft)
+  records = machine.run_parallel(run_arm, [(arm_config(config, arm, entry["seed"]), arm_dir(entry["seed"], arm),
+                                            False) for entry, arm in runs], FLAGS.workers)
+  for (entry, arm), record in zip(runs, records):
+    entry["arms"][arm] = record
+  for entry in saved["seeds"]:
+    for split in config.final_eval.splits:
+      for arm, q in matched_quality({arm: arm_dir(entry["seed"], arm) for arm in arms}, split).items():
+        entry["arms"][arm]["final"][split]["matched_quality"] = {"full": q}
+  print(results_md.write_results(saved, FLAGS.results_file, report))
 
 
 if __name__ == "__main__":

@@ -28,10 +28,8 @@ seeds, and the paper's directions with Holm-corrected paired intervals).
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import glob
 import json
-import multiprocessing
 import os
 import shlex
 import shutil
@@ -188,16 +186,6 @@ def run_rl(variant: str, seed: int, lr: float, sft_seed: int, root: str, overrid
   return run_variant(variant, seed, workdir, [*overrides, f"rl.learning_rate={lr!r}"], "validation", size)
 
 
-def run_parallel(fn, jobs: Sequence[tuple[Any, ...]], workers: int) -> list[Any]:
-  """``[fn(*job) for job in jobs]``, ``workers`` processes at a time (in order when ``workers <= 1``)."""
-  if workers <= 1:
-    return [fn(*job) for job in jobs]
-  context = multiprocessing.get_context("spawn")  # JAX is not fork-safe.
-  with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-    futures = [pool.submit(fn, *job) for job in jobs]
-    return [f.result() for f in futures]
-
-
 def gate(root: str, sft_seed: int, overrides: Sequence[str], size: str = ""):
   """The step-0 gate on the SFT policy of ``sft_seed`` (a run with no RL steps in ``<root>/seed<s>/gate``)."""
   from lemon_rl.eval import headroom  # pylint: disable=g-import-not-at-top
@@ -315,8 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   sft_runs = sorted(set(sft_seeds.values()))
   log(f"SFT, seeds {sft_runs}")
-  run_parallel(run_variant, [("sft_only", s, sft_dir(args.root, s), args.overrides, None, args.size)
-                             for s in sft_runs], args.workers)
+  machine.run_parallel(run_variant, [("sft_only", s, sft_dir(args.root, s), args.overrides, None, args.size)
+                                     for s in sft_runs], args.workers)
   checked = {s: gate(args.root, s, args.overrides, args.size) for s in sft_runs}
   saved["headroom"] = {str(s): c.to_dict() for s, c in checked.items()}
   results_md.save_results(saved, args.results_file)
@@ -333,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   tuned = [(v, seeds[0], lr) for lr in lrs for v in variants]  # A cast run's case library serves the next ones.
   log(f"tuning: {len(tuned)} runs on seed {seeds[0]}")
-  summaries = run_parallel(run_rl, rl_jobs(tuned), args.workers)
+  summaries = machine.run_parallel(run_rl, rl_jobs(tuned), args.workers)
   trials = {v: [] for v in variants}
   for (v, _, lr), summary in zip(tuned, summaries):
     trials[v].append({"params": {"learning_rate": lr}, "score": summary["final_eval"][TUNING_METRIC]})
@@ -345,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   jobs = rl_jobs([(v, seed, chosen[v]) for seed in seeds[1:] for v in variants])
   log(f"{len(jobs)} runs on seeds {seeds[1:]}")
-  run_parallel(run_rl, jobs, args.workers)
+  machine.run_parallel(run_rl, jobs, args.workers)
   saved["results"] = collect(args.root, chosen, sft_seeds)
   saved["total_s"] = time.time() - t0
   saved["done"] = True

@@ -1,5 +1,6 @@
 """The BudgetMix experiment pipeline: multi-turn SFT layout = the engine's, the FrozenLake task's splits, the tiny
-config end to end through the launcher, the headroom thresholds, and the report's verdicts."""
+config end to end through the launcher and through ``experiments.reproduce_budgetmix``, the headroom thresholds,
+and the report's verdicts."""
 
 import json
 import os
@@ -157,6 +158,51 @@ def test_tiny_config_runs_end_to_end_through_the_launcher(tmp_path):
   with open(os.path.join(workdir, "summary.json")) as f:
     summary = json.load(f)
   assert summary["multiturn_rl_steps"] == 2 and "multiturn_rl_final_accuracy" in summary
+
+
+def _reproduce(workdir, results_file, *flags_):
+  args = [sys.executable, "-m", "experiments.reproduce_budgetmix", "--config=configs/budgetmix_frozenlake.py:tiny",
+          f"--workdir={workdir}", f"--results_file={results_file}", *flags_]
+  return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+
+def test_tiny_reproduction_runs_every_seed_and_arm_in_parallel_and_reads_finished_arms_back(tmp_path):
+  workdir, results_file = str(tmp_path / "runs"), str(tmp_path / "results.json")
+  arms = ["base", "grpo_full", "grpo_budgetmix"]
+  proc = _reproduce(workdir, results_file, "--seeds=0,1", f"--arms={','.join(arms)}", "--workers=2")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  with open(results_file) as f:
+    saved = json.load(f)
+  assert [entry["seed"] for entry in saved["seeds"]] == [0, 1]
+  for entry in saved["seeds"]:
+    assert entry["headroom"]["passed"] and list(entry["arms"]) == arms
+    for arm, record in entry["arms"].items():
+      assert set(record["final"]) == {"test", "test_8x8"}, arm
+      assert {"quality", "num_steps"} <= set(record["final"]["test"]["matched_quality"]["full"]), arm
+      assert [r["step"] for r in record["train"]] == ([] if arm == "base" else [1, 2]), arm
+  finished = {os.path.join(workdir, f"seed_{s}", arm, "final_eval.json") for s in (0, 1) for arm in arms}
+  stamps = {path: os.path.getmtime(path) for path in finished}
+  # Rerun, one process: every arm is read back (no run, no evaluation), and the results are the same.
+  proc = _reproduce(workdir, results_file, "--seeds=0,1", f"--arms={','.join(arms)}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert {path: os.path.getmtime(path) for path in finished} == stamps
+  with open(results_file) as f:
+    reread = json.load(f)
+  assert {**reread, "command": None} == {**saved, "command": None}
+  assert "Claimed directions on `test`" in proc.stdout
+
+
+def test_a_failed_gate_stops_the_reproduction_before_any_rl_run(tmp_path):
+  workdir, results_file = str(tmp_path / "runs"), str(tmp_path / "results.json")
+  proc = _reproduce(workdir, results_file, "--seeds=0", "--arms=base,grpo_full",
+                    "--config.headroom.thresholds.min_pass_at_2_100=1.01")
+  assert proc.returncode != 0 and "seed 0: step-0 headroom gate failed: pass_at_2_100" in proc.stderr
+  with open(results_file) as f:
+    saved = json.load(f)
+  assert saved["stopped"].startswith("seed 0: step-0 headroom gate failed")
+  assert saved["seeds"][0]["headroom"]["passed"] is False and saved["seeds"][0]["arms"] == {}
+  assert not os.path.exists(os.path.join(workdir, "seed_0", "grpo_full"))
 
 
 # -- the report --------------------------------------------------------------------------------------------
