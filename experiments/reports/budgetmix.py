@@ -31,7 +31,7 @@ from lemon_rl.eval.stats import PairedComparison, format_mean_ci, format_paired_
 
 TITLE = "BudgetMix on FrozenLake (multi-turn RL under turn budgets)"
 RESULTS_FILE = "experiments/results/budgetmix/results.json"
-COMMAND = "python -m experiments.reproduce_budgetmix --workdir=runs/budgetmix --seeds=0,1,2,3,4"
+COMMAND = "python -m experiments.reproduce_budgetmix --workdir=runs/budgetmix --seeds=0,1,2,3,4 --workers=2"
 MISSING = ("Not run yet: the pipeline, its step-0 headroom gate and the sizing pilot are in "
            "`experiments/reproduce_budgetmix.py`.")
 
