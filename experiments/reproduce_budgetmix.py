@@ -29,8 +29,10 @@ load of ~10, ``nice -n 15``; ``tiny`` model preset d128 / 2 layers, the ``cpu`` 
 demonstrations out of 1000, gate on 24 validation maps x 8 samples, engine context 1536): SFT 2.7 CPU-s a step
 (5.4 CPU-min, 830 s wall), success rate after SFT 0.22 at the full budget and 0.06 at 25% (16 validation maps x
 2 episodes); the base policy's Pass@8 (prompted) 0.125 / 0.625 / 0.708 / 0.708 at 25 / 50 / 75 / 100% of T_max,
-every value inside the gate's [0.05, 0.95]; the gate's evaluation (4 runs of 192 episodes) 3.6 CPU-min. RL steps
-were not timed (the pilot's CPU budget). The ``cpu`` config keeps that SFT.
+every value inside the gate's [0.05, 0.95]; the gate's evaluation (4 runs of 192 episodes) 3.6 CPU-min. The
+``cpu`` config keeps that SFT. Measured cost of the ``cpu`` config (2026-12-02, two runs at a time on the 2 cores):
+a base run about 1,000 CPU-s (SFT 260 s wall, gate, test evaluation about 600 s wall), an RL arm about 2,000 CPU-s
+(60 steps of 20-35 s wall, test evaluation about 700 s wall): about 2.5 CPU-hours per seed with four RL arms.
 """
 
 from __future__ import annotations
