@@ -22,11 +22,11 @@ updates, edits) about 15-20 CPU-s. After 100 SFT steps the greedy spec was alway
 step-0 gate failed (valid share, signal groups) and six LEMON steps drifted to one-agent specs (the few valid
 samples were the short ones). With the ``cpu`` variant's 600 SFT steps (the ``pilot`` config with
 ``sft.steps = 600``, seed 0, programmatic workers, 2026-12-02: 1,112 CPU-s of SFT) the step-0 check passes on
-100 validation problems x 8 specs: 84% of the temperature-1 specs are valid, every group carries signal, and the
-chance that one edit of a family, drawn as the trainer draws it, flips a valid spec's task success is 0.43
-(drop_edge), 0.26 (reset_duty) and 0.11 (lower_capacity), against the thresholds below. At those rates all seven arms
-over five seeds of the ``cpu`` variant (600 SFT steps, six RL arms of 200 steps) are about 30 CPU-hours plus
-the worker models: an accelerator job.
+100 validation problems x 8 specs: 84% of the temperature-1 specs are valid, every group carries signal, and
+the chance that one edit of a family, drawn as the trainer draws it, flips a valid spec's task success is 0.43
+(drop_edge), 0.26 (reset_duty) and 0.11 (lower_capacity), against the thresholds below. At those rates all
+seven arms over five seeds of the ``cpu`` variant (600 SFT steps, six RL arms of 200 steps) are about 30
+CPU-hours plus the worker models: an accelerator job.
 """
 
 from ml_collections import config_dict

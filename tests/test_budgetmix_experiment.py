@@ -239,10 +239,9 @@ def _saved(gigpo_mix_25: float):
                                              "checks": [{"statistic": "pass_at_8_25", "bound": "min",
                                                          "threshold": 0.05, "value": 0.4, "passed": True}]},
                   "arms": {arm: {"final": {"test": _evaluation(*v)}} for arm, v in final.items()}})
-  setup = {"num_sft": 100, "sft_steps": 10, "rl_steps": 5, "maps_per_step": 2, "group_size": 4, "learning_rate": 1e-4,
-           "num_samples": 16,
-           "temperature": 1.0, "fractions": [0.25, 0.5, 0.75, 1.0], "recovery_fraction": 0.5, "max_k": 8,
-           "splits": ["test"], "num_maps": {"test": 4}}
+  setup = {"num_sft": 100, "sft_steps": 10, "rl_steps": 5, "maps_per_step": 2, "group_size": 4,
+           "learning_rate": 1e-4, "num_samples": 16, "temperature": 1.0, "fractions": [0.25, 0.5, 0.75, 1.0],
+           "recovery_fraction": 0.5, "max_k": 8, "splits": ["test"], "num_maps": {"test": 4}}
   return {"command": "cmd", "machine": "cpu", "family_alpha": 0.05, "setup": setup, "arms": ARMS, "seeds": seeds}
 
 
