@@ -1,9 +1,9 @@
 r"""LEMON over seeds: SFT only, global GRPO, LEMON, LEMON without each edit family, LEMON without SFT.
 
-    python -m experiments.reproduce_lemon --workdir=runs/lemon --seeds=0,1,2,3,4            # the experiment
-    python -m experiments.reproduce_lemon --workdir=runs/lemon --train_workers_only         # workers only
+    python -m experiments.reproduce_lemon --workdir=runs/lemon --seeds=0,1,2,3,4 --workers=2   # the experiment
+    python -m experiments.reproduce_lemon --workdir=runs/lemon --train_workers_only             # workers only
     python -m experiments.reproduce_lemon --workdir=/tmp/lemon_tiny --variant=tiny --seeds=0 \
-        --results_file=/tmp/lemon_tiny/results.json                                          # smoke run
+        --results_file=/tmp/lemon_tiny/results.json                                              # smoke run
 
 Workers (``task.workers="models"``, the ``cpu`` variant): the three worker models are trained ONCE, by SFT on
 worker demonstrations (``lemon_rl.envs.word_problems.worker_demonstrations``), into ``<workdir>/workers``
@@ -16,9 +16,11 @@ SFT on the scripted teacher's specs; its final policy is "SFT only" and the step
 sampled on validation problems; every applicable edit of every valid spec re-executed: the ``|dc|``
 distribution of each family and the share of specs on which it flips task success, against the thresholds
 of ``lemon.step0_thresholds``). Each RL arm (``grpo``, ``lemon``, ``no_<family>``) continues from a copy of
-that SFT checkpoint; ``no_sft`` runs LEMON from a random orchestrator. Runs resume; a finished one is only
-re-read. Results go to ``experiments/results/lemon/results.json`` (after every arm) and the section of
-``experiments/RESULTS.md`` is regenerated when the results file is the committed one.
+that SFT checkpoint; ``no_sft`` runs LEMON from a random orchestrator. Every seed's ``sft_only`` run comes
+first, then every (seed, RL arm) run; ``--workers=N`` runs N of them at a time, each in its own process. Runs
+resume; a finished one is re-read from its ``arm.json``. Results go to ``experiments/results/lemon/results.json``
+(after the SFT runs and at the end) and the section of ``experiments/RESULTS.md`` is regenerated when the results
+file is the committed one.
 """
 
 import json
@@ -26,7 +28,6 @@ import os
 import shlex
 import shutil
 import sys
-import time
 
 from absl import app
 from absl import flags
@@ -45,6 +46,7 @@ flags.DEFINE_string("workdir", None, "Root directory: workers/, then one sub-dir
 flags.DEFINE_string("seeds", "0,1,2,3,4", "Comma-separated seeds.")
 flags.DEFINE_string("variant", "cpu", "Config size: cpu (worker models), pilot or tiny (programmatic workers).")
 flags.DEFINE_string("arms", ",".join(report.ARMS), "Comma-separated arms (sft_only always runs first).")
+flags.DEFINE_integer("workers", 1, "Runs at a time, each in its own process (every seed's SFT, then the RL arms).")
 flags.DEFINE_string("workers_dir", "", "Trained worker models ('' = <workdir>/workers).")
 flags.DEFINE_bool("train_workers_only", False, "Train (or re-score) the worker models and stop.")
 flags.DEFINE_integer("step0_examples", 100, "Validation problems of the step-0 check (G specs each).")
@@ -104,10 +106,26 @@ def _nansum(xs):
   return float(sum(x for x in xs if isinstance(x, (int, float)) and x == x))
 
 
-def run_arm(config, workdir: str, final=None) -> dict:
-  """Runs (or resumes) one arm in this process; the wall and CPU seconds it took (and ``final``'s output)."""
-  summary, timing = machine.timed(experiment.run, config, workdir, final_eval=final)
-  return {**timing, "final_eval": summary.get("final_eval")}
+def run_arm(config, workdir: str, step0_examples: int = 0) -> dict:
+  """Runs (or resumes) one arm and returns its :func:`arm_record`, with ``step0`` (the step-0 check of
+  :func:`lemon_rl.training.lemon.measure_step0` on its final policy, ``step0_examples`` validation problems) when
+  ``step0_examples`` is positive. The record is saved as ``<workdir>/arm.json``; a finished arm is re-read from it.
+  """
+  path = os.path.join(workdir, "arm.json")
+  if os.path.exists(path):
+    with open(path) as f:
+      return json.load(f)
+
+  def step0(model, task):
+    return lemon.measure_step0(model, task, config, step0_examples)
+
+  summary, timing = machine.timed(experiment.run, config, workdir, final_eval=step0 if step0_examples else None)
+  record = arm_record(workdir, config, timing)
+  if step0_examples:
+    record["step0"] = summary["final_eval"]
+  with open(path, "w") as f:
+    json.dump(record, f, indent=1)
+  return record
 
 
 def setup_facts(config) -> dict:
@@ -118,6 +136,10 @@ def setup_facts(config) -> dict:
           "mu": config.lemon.mu, "reward": config.task.reward.to_dict(), "eval_examples": config.eval.num_examples,
           "step0_examples": FLAGS.step0_examples, "multiply_fraction": config.task.multiply_fraction,
           "thresholds": config.lemon.step0_thresholds.to_dict()}
+
+
+def arm_dir(seed: int, arm: str) -> str:
+  return os.path.join(FLAGS.workdir, f"seed_{seed}", arm)
 
 
 def main(argv):
@@ -132,7 +154,6 @@ def main(argv):
   saved = {"command": "python -m experiments.reproduce_lemon " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
            "machine": machine.description(), "family_alpha": FLAGS.family_alpha,
            "setup": setup_facts(base), "workers": None, "seeds": [], "done": False}
-  t_start = time.time()
   if base.task.workers == "models":
     saved["workers"] = train_workers(base, workers_dir)
   if FLAGS.train_workers_only:
@@ -140,45 +161,31 @@ def main(argv):
           f"variant {FLAGS.variant!r} uses programmatic workers: nothing to train")
     return
 
+  def config_of(arm, seed):
+    c = lemon_orchestration.apply_arm(lemon_orchestration.get_config(FLAGS.variant), arm)
+    c.seed = seed
+    c.task.workers_dir = workers_dir
+    return c
+
   def save():
-    saved["elapsed_s"] = time.time() - t_start
     path = results_md.save_results(saved, FLAGS.results_file)
     report.plot(saved, os.path.join(os.path.dirname(path), "curves.png"))
 
-  for seed in seeds:
-    root = os.path.join(FLAGS.workdir, f"seed_{seed}")
-    record = {"seed": seed, "arms": {}}
-    saved["seeds"].append(record)
-
-    def config_of(arm):
-      c = lemon_orchestration.apply_arm(lemon_orchestration.get_config(FLAGS.variant), arm)
-      c.seed = seed
-      c.task.workers_dir = workers_dir
-      return c
-
-    sft_config = config_of("sft_only")
-    step0 = {}
-
-    def check(model, task):
-      step0.update(lemon.measure_step0(model, task, sft_config, FLAGS.step0_examples))
-      return step0
-
-    timing = run_arm(sft_config, os.path.join(root, "sft_only"), final=check)
-    record["step0"] = timing.pop("final_eval")
-    record["arms"]["sft_only"] = arm_record(os.path.join(root, "sft_only"), sft_config, timing)
-    save()
-    for arm in arms:
-      if arm == "sft_only":
-        continue
-      config, workdir = config_of(arm), os.path.join(root, arm)
-      if config.sft.steps:
-        dst = os.path.join(workdir, "checkpoints", "sft")
-        if not os.path.exists(dst):
-          shutil.copytree(os.path.join(root, "sft_only", "checkpoints", "sft"), dst)
-      timing = run_arm(config, workdir)
-      timing.pop("final_eval")
-      record["arms"][arm] = arm_record(workdir, config, timing)
-      save()
+  saved["seeds"] = [{"seed": seed, "arms": {}} for seed in seeds]
+  sft_runs = [(config_of("sft_only", s), arm_dir(s, "sft_only"), FLAGS.step0_examples) for s in seeds]
+  for entry, record in zip(saved["seeds"], machine.run_parallel(run_arm, sft_runs, FLAGS.workers)):
+    entry["step0"] = record.pop("step0")
+    entry["arms"]["sft_only"] = record
+  save()
+  runs = [(entry, arm) for entry in saved["seeds"] for arm in arms if arm != "sft_only"]
+  for entry, arm in runs:
+    dst = os.path.join(arm_dir(entry["seed"], arm), "checkpoints", "sft")
+    if config_of(arm, entry["seed"]).sft.steps and not os.path.exists(dst):
+      shutil.copytree(os.path.join(arm_dir(entry["seed"], "sft_only"), "checkpoints", "sft"), dst)
+  records = machine.run_parallel(run_arm, [(config_of(arm, entry["seed"]), arm_dir(entry["seed"], arm))
+                                           for entry, arm in runs], FLAGS.workers)
+  for (entry, arm), record in zip(runs, records):
+    entry["arms"][arm] = record
   saved["done"] = True
   save()
   print(results_md.publish(saved, FLAGS.results_file, report))

@@ -10,6 +10,8 @@ import dataclasses
 import functools
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +36,7 @@ from lemon_rl.training.metrics import read_records
 from lemon_rl.training.rollout import Rollout
 
 SETTINGS = lemon.RewardSettings(lambda_tok=0.5, lambda_graph=0.25, token_budget=1000.0)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PIPE = parse_spec("agents:\n- {id: a, role: extractor, duty: extract, cap: small}\n"
                   "- {id: b, role: calculator, duty: compute, cap: large, deps: [a]}\nanswer: b", wp.TASK_SCHEMA)
 
@@ -298,6 +301,39 @@ def test_tiny_config_end_to_end(tmp_path):
     assert r["lemon/edit_share"] is None or r["lemon/edit_share"] <= 1.0 - r["lemon/invalid_share"] + 1e-9
   evals = [r for r in records if r["phase"] == "eval_rl"]
   assert evals and 0.0 <= evals[-1]["accuracy"] <= 1.0 and "valid" in evals[-1]
+
+
+def _reproduce(workdir, results_file, *flags_):
+  args = [sys.executable, "-m", "experiments.reproduce_lemon", "--variant=tiny", f"--workdir={workdir}",
+          f"--results_file={results_file}", "--seeds=0,1", "--arms=sft_only,grpo,no_sft", *flags_]
+  return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+
+def test_tiny_reproduction_runs_seeds_and_arms_in_parallel_and_reads_finished_arms_back(tmp_path):
+  workdir, results_file = str(tmp_path / "runs"), str(tmp_path / "results.json")
+  proc = _reproduce(workdir, results_file, "--workers=2")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  with open(results_file) as f:
+    saved = json.load(f)
+  assert saved["done"] and [entry["seed"] for entry in saved["seeds"]] == [0, 1]
+  for entry in saved["seeds"]:
+    assert set(entry["step0"]) >= {"effects", "gate"} and list(entry["arms"]) == ["sft_only", "grpo", "no_sft"]
+    for arm, record in entry["arms"].items():
+      assert "accuracy" in record["final"] and "step0" not in record, arm
+      assert len(record["curves"]["reward/total/mean"]) == (0 if arm == "sft_only" else 2), arm
+  # The RL arms after SFT start from a copy of the seed's SFT checkpoint; no_sft starts from scratch.
+  assert os.path.isdir(os.path.join(workdir, "seed_1", "grpo", "checkpoints", "sft"))
+  assert not os.path.exists(os.path.join(workdir, "seed_1", "no_sft", "checkpoints", "sft"))
+  finished = [os.path.join(workdir, f"seed_{s}", arm, "arm.json") for s in (0, 1) for arm in ("sft_only", "grpo")]
+  stamps = [os.path.getmtime(path) for path in finished]
+  # Rerun, one process: every arm is read back (no run, no step-0 check), and the results are the same.
+  proc = _reproduce(workdir, results_file)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert [os.path.getmtime(path) for path in finished] == stamps
+  with open(results_file) as f:
+    assert {**json.load(f), "command": None} == {**saved, "command": None}
+  assert "LEMON - global GRPO, accuracy" in proc.stdout
 
 
 def test_config_arms_and_checks():
