@@ -24,9 +24,17 @@ samples were the short ones). With the ``cpu`` variant's 600 SFT steps (the ``pi
 ``sft.steps = 600``, seed 0, programmatic workers, 2026-12-02: 1,112 CPU-s of SFT) the step-0 check passes on
 100 validation problems x 8 specs: 84% of the temperature-1 specs are valid, every group carries signal, and
 the chance that one edit of a family, drawn as the trainer draws it, flips a valid spec's task success is 0.43
-(drop_edge), 0.26 (reset_duty) and 0.11 (lower_capacity), against the thresholds below. At those rates all
-seven arms over five seeds of the ``cpu`` variant (600 SFT steps, six RL arms of 200 steps) are about 30
-CPU-hours plus the worker models: an accelerator job.
+(drop_edge), 0.26 (reset_duty) and 0.11 (lower_capacity), against the thresholds below.
+
+Worker models (measured 2026-12-02 on the 2-core machine, batches of demonstrations padded to 280 slots): a
+training step of 128 costs 0.63 / 2.44 / 6.48 CPU-s (small / medium / large), so the 3 x 3,000 steps below are
+about 8 CPU-hours. Half of it is not enough: with 1,500 steps of 64 (276 / 1,012 / 2,985 s of training) the
+held-out exact match of the small / medium / large worker was 0.00 / 0.53 / 0.52 on ``extract``, 0.12 / 0.32 /
+0.20 on ``add`` and 0.03 / 0.27 / 0.17 on ``multiply`` (the large one still undertrained: its loss was still
+falling), the specs of the 600-step SFT orchestrator succeeded 2-4% of the time in RL, and no held-out problem
+was solved. With those workers an RL step (16 x 8 specs, two updates, edits) took about 20 s of wall time on
+both cores. So all seven arms over five seeds of the ``cpu`` variant (600 SFT steps, six RL arms of 200 steps)
+are about 35 hours of wall time on that machine after the worker models: an accelerator job.
 """
 
 from ml_collections import config_dict

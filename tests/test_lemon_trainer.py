@@ -383,6 +383,28 @@ def test_report_renders_directions_and_step0_from_saved_results():
   assert "| drop_edge |" in text and "passed on 3 of 3 seeds" in text
 
 
+def test_worker_training_reuses_saved_models_only_under_the_same_settings(tmp_path):
+  tok, out = ByteTokenizer(), str(tmp_path / "workers")
+  small = {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "mlp_dim": 32}
+  sizes = {c: small for c in ("small", "medium", "large")}
+  training = {"steps": 2, "batch_size": 4, "learning_rate": 1e-3, "warmup_steps": 0, "seed": 0}
+  demos, eval_demos = wp.worker_demonstrations(0, 16, "workers"), wp.worker_demonstrations(0, 8, "workers_eval")
+
+  def train(training, sizes):
+    return lemon.train_worker_models(demos, eval_demos, sizes, training, out, tok, prompt_len=wp.WORKER_PROMPT_LEN,
+                                     max_new_tokens=4, log=lambda _: None)
+
+  meta = train(training, sizes)
+  assert meta["training"] == training and set(meta["skills"]) == set(sizes) and set(meta["train_s"]) == set(sizes)
+  stamps = {c: os.path.getmtime(os.path.join(out, f"{c}.npz")) for c in sizes}
+  assert train(training, sizes)["training"] == training  # Same settings: loaded, not retrained.
+  assert {c: os.path.getmtime(os.path.join(out, f"{c}.npz")) for c in sizes} == stamps
+  with pytest.raises(ValueError, match=r"training.steps: saved 2, requested 3"):
+    train({**training, "steps": 3}, sizes)
+  with pytest.raises(ValueError, match=r"sizes.large: saved"):
+    train(training, {**sizes, "large": {**small, "mlp_dim": 64}})
+
+
 def test_worker_params_round_trip_and_skill_scores(tmp_path):
   tok = ByteTokenizer()
   small = {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "mlp_dim": 32}

@@ -21,8 +21,8 @@ PLOT_FILE = "experiments/results/lemon/curves.png"
 COMMAND = "python -m experiments.reproduce_lemon --workdir=runs/lemon --seeds=0,1,2,3,4"
 MISSING = ("Not run yet: the task, trainer, worker-model training and step-0 check are in place "
            "(`lemon_rl.training.lemon`, `lemon_rl.envs.word_problems`, `configs/lemon_orchestration.py`, whose "
-           "docstring records the sizing pilot: all arms over five seeds are about 30 CPU-hours on the 2-core "
-           "machine, an accelerator job).")
+           "docstring records the sizing runs: the worker models are about 8 CPU-hours, and all arms over five "
+           "seeds about 35 hours of wall time on the 2-core machine after them, an accelerator job).")
 
 FAMILIES = ("drop_edge", "reset_duty", "lower_capacity")
 ARMS = ("sft_only", "grpo", "lemon", "no_drop_edge", "no_reset_duty", "no_lower_capacity", "no_sft")

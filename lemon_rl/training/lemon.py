@@ -789,40 +789,51 @@ def train_worker_models(demos: Sequence[Mapping[str, Any]], eval_demos: Sequence
   ``training`` has ``steps``, ``batch_size``, ``learning_rate``, ``warmup_steps``, ``seed``. The same data
   and steps for every size (*Decision*: the skill levels come from the sizes). Each model's skills are then
   measured on ``eval_demos`` (greedy) and written, with the sizes and timings, to ``out_dir/workers.json``,
-  which is returned. Models already saved are not retrained.
+  which is returned. Models already saved are not retrained; ``ValueError`` if they were trained with other
+  ``training`` settings or sizes (a stale directory is never reused silently).
   """
   from lemon_rl.training.sft import SFTTrainer  # pylint: disable=g-import-not-at-top
   os.makedirs(out_dir, exist_ok=True)
   meta_path = os.path.join(out_dir, WORKERS_META)
+  requested = {k: training[k] for k in ("steps", "batch_size", "learning_rate", "warmup_steps", "seed")}
   meta = {"sizes": {}, "train_s": {}}
   if os.path.exists(meta_path):
     with open(meta_path) as f:
       meta = json.load(f)
+  stale = [f"training.{k}: saved {v!r}, requested {requested[k]!r}" for k, v in meta.get("training", {}).items()
+           if requested.get(k) != v]
+  stale += [f"sizes.{cap}: saved {v!r}, requested {dict(sizes[cap])!r}" for cap, v in meta["sizes"].items()
+            if v != dict(sizes[cap])]
+  if stale:
+    raise ValueError(f"the worker models in {out_dir} were trained with other settings ({'; '.join(stale)}): "
+                     "use another directory or delete it")
+  meta["training"] = requested
   workers = {}
   for cap in CAPACITIES:
-    model = worker_model(sizes[cap], tokenizer.vocab_size, int(training.seed))
+    model = worker_model(sizes[cap], tokenizer.vocab_size, int(requested["seed"]))
     path = os.path.join(out_dir, f"{cap}.npz")
+    meta["sizes"][cap] = dict(sizes[cap])
     if not os.path.exists(path):
       t0 = time.time()
-      optimizer = state_lib.make_optimizer(float(training.learning_rate), int(training.steps),
-                                           int(training.warmup_steps))
-      graphdef, st = state_lib.create_train_state(model, optimizer, int(training.seed))
+      optimizer = state_lib.make_optimizer(float(requested["learning_rate"]), int(requested["steps"]),
+                                           int(requested["warmup_steps"]))
+      graphdef, st = state_lib.create_train_state(model, optimizer, int(requested["seed"]))
       trainer = SFTTrainer(graphdef, optimizer, tokenizer, max_new_tokens, None, prompt_len)
-      iterator = BatchIterator(list(demos), batch_size=int(training.batch_size), seed=int(training.seed))
-      for step in range(1, int(training.steps) + 1):
+      iterator = BatchIterator(list(demos), batch_size=int(requested["batch_size"]), seed=int(requested["seed"]))
+      for step in range(1, int(requested["steps"]) + 1):
         batch = next(iterator)
         st, metrics, _ = trainer.step(st, [dict(zip(batch, v)) for v in zip(*batch.values())])
-        if step % max(1, int(training.steps) // 10) == 0 or step == int(training.steps):
+        if step % max(1, int(requested["steps"]) // 10) == 0 or step == int(requested["steps"]):
           log(f"worker {cap}: step {step} nll {float(metrics['train/nll']):.4f}")
       nnx.update(model, st.params)
       save_params(path, model)
       meta["train_s"][cap] = time.time() - t0
+      with open(meta_path, "w") as f:  # The settings of every saved model, before the next one trains.
+        json.dump(meta, f, indent=1)
     else:
       load_params(path, model)
-    meta["sizes"][cap] = dict(sizes[cap])
     workers[cap] = ModelWorker(model, tokenizer, max_new_tokens, max_batch=256)
   meta["skills"] = score_workers(workers, eval_demos)
-  meta["training"] = {k: training[k] for k in ("steps", "batch_size", "learning_rate", "warmup_steps", "seed")}
   with open(meta_path, "w") as f:
     json.dump(meta, f, indent=1)
   log(f"worker skills: {json.dumps(meta['skills'])}")
