@@ -808,22 +808,22 @@ def train_worker_models(demos: Sequence[Mapping[str, Any]], eval_demos: Sequence
     raise ValueError(f"the worker models in {out_dir} were trained with other settings ({'; '.join(stale)}): "
                      "use another directory or delete it")
   meta["training"] = requested
+  steps, seed = int(requested["steps"]), int(requested["seed"])
   workers = {}
   for cap in CAPACITIES:
-    model = worker_model(sizes[cap], tokenizer.vocab_size, int(requested["seed"]))
+    model = worker_model(sizes[cap], tokenizer.vocab_size, seed)
     path = os.path.join(out_dir, f"{cap}.npz")
     meta["sizes"][cap] = dict(sizes[cap])
     if not os.path.exists(path):
       t0 = time.time()
-      optimizer = state_lib.make_optimizer(float(requested["learning_rate"]), int(requested["steps"]),
-                                           int(requested["warmup_steps"]))
-      graphdef, st = state_lib.create_train_state(model, optimizer, int(requested["seed"]))
+      optimizer = state_lib.make_optimizer(float(requested["learning_rate"]), steps, int(requested["warmup_steps"]))
+      graphdef, st = state_lib.create_train_state(model, optimizer, seed)
       trainer = SFTTrainer(graphdef, optimizer, tokenizer, max_new_tokens, None, prompt_len)
-      iterator = BatchIterator(list(demos), batch_size=int(requested["batch_size"]), seed=int(requested["seed"]))
-      for step in range(1, int(requested["steps"]) + 1):
+      iterator = BatchIterator(list(demos), batch_size=int(requested["batch_size"]), seed=seed)
+      for step in range(1, steps + 1):
         batch = next(iterator)
         st, metrics, _ = trainer.step(st, [dict(zip(batch, v)) for v in zip(*batch.values())])
-        if step % max(1, int(requested["steps"]) // 10) == 0 or step == int(requested["steps"]):
+        if step % max(1, steps // 10) == 0 or step == steps:
           log(f"worker {cap}: step {step} nll {float(metrics['train/nll']):.4f}")
       nnx.update(model, st.params)
       save_params(path, model)
