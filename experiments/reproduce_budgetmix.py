@@ -43,7 +43,6 @@ import math
 import os
 import resource
 import shlex
-import shutil
 import sys
 import time
 from typing import Any, Mapping, Sequence
@@ -287,9 +286,7 @@ def main(argv):
 
   runs = [(entry, arm) for entry in saved["seeds"] for arm in arms[1:]]
   for entry, arm in runs:
-    sft = os.path.join(arm_dir(entry["seed"], arm), "checkpoints", "multiturn_sft")
-    if not os.path.exists(sft):
-      shutil.copytree(os.path.join(arm_dir(entry["seed"], "base"), "checkpoints", "multiturn_sft"), sft)
+    experiment.start_from(arm_dir(entry["seed"], "base"), arm_dir(entry["seed"], arm), "multiturn_sft")
   records = machine.run_parallel(run_arm, [(arm_config(config, arm, entry["seed"]), arm_dir(entry["seed"], arm),
                                             False) for entry, arm in runs], FLAGS.workers)
   for (entry, arm), record in zip(runs, records):

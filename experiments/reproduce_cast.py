@@ -128,11 +128,6 @@ def run_variant(variant: str, seed: int, workdir: str, overrides: Sequence[str],
   return summary
 
 
-def copy_tree(src: str, dst: str) -> None:
-  if not os.path.exists(dst):
-    shutil.copytree(src, dst)
-
-
 def reseed_sft_checkpoint(directory: str, seed: int) -> None:
   """Marks a copied, finished SFT checkpoint as taken with ``seed``'s data iterator.
 
@@ -166,11 +161,9 @@ def run_dir(root: str, seed: int, variant: str, lr: float) -> str:
 
 def start_from_sft(workdir: str, root: str, seed: int, sft_seed: int) -> None:
   """Copies the finished SFT checkpoint of ``sft_seed`` into ``workdir`` (re-marked for ``seed`` if they differ)."""
-  dst = os.path.join(workdir, "checkpoints", "sft")
-  if not os.path.exists(dst):
-    copy_tree(os.path.join(sft_dir(root, sft_seed), "checkpoints", "sft"), dst)
-    if sft_seed != seed:
-      reseed_sft_checkpoint(dst, seed)
+  from lemon_rl.training import experiment  # pylint: disable=g-import-not-at-top
+  if experiment.start_from(sft_dir(root, sft_seed), workdir, "sft") and sft_seed != seed:
+    reseed_sft_checkpoint(os.path.join(workdir, "checkpoints", "sft"), seed)
 
 
 def run_rl(variant: str, seed: int, lr: float, sft_seed: int, root: str, overrides: Sequence[str],

@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import shutil
 import sys
 import time
 from typing import Any
@@ -129,10 +128,7 @@ def run_one(arm: str, seed: int, lr: float | None) -> dict[str, Any]:
     config.rl.steps = 0
   else:
     config.rl.learning_rate = lr
-    src = os.path.join(run_dir("start", seed, None), "checkpoints", "sft")
-    dst = os.path.join(workdir, "checkpoints", "sft")
-    if not os.path.exists(dst):
-      shutil.copytree(src, dst)
+    experiment.start_from(run_dir("start", seed, None), workdir, "sft")
   summary = experiment.run(config, workdir, final_eval=lambda model, task: final_scores(model, task, config))
   records = read_records(os.path.join(workdir, "metrics.jsonl"))
   rl = [r for r in records if r["phase"] == "rl"]

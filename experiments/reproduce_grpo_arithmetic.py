@@ -12,7 +12,6 @@ go to ``experiments/results/grpo_arithmetic/results.json`` (committed), the plot
 
 import os
 import shlex
-import shutil
 import sys
 
 from absl import app
@@ -75,9 +74,7 @@ def main(argv):
     root = os.path.join(FLAGS.workdir, f"seed_{seed}")
     config.seed = control.seed = seed
     grpo = run_arm(config, os.path.join(root, "grpo"))
-    sft_checkpoint = os.path.join(root, "sft_control", "checkpoints", "sft")
-    if not os.path.exists(sft_checkpoint):
-      shutil.copytree(os.path.join(root, "grpo", "checkpoints", "sft"), sft_checkpoint)
+    experiment.start_from(os.path.join(root, "grpo"), os.path.join(root, "sft_control"), "sft")
     more_sft = run_arm(control, os.path.join(root, "sft_control"))
     saved["seeds"].append({"seed": seed, "grpo": arm_record(os.path.join(root, "grpo"), config.phases, grpo),
                            "sft_control": arm_record(os.path.join(root, "sft_control"), control.phases, more_sft)})

@@ -26,7 +26,6 @@ file is the committed one.
 import json
 import os
 import shlex
-import shutil
 import sys
 
 from absl import app
@@ -179,9 +178,8 @@ def main(argv):
   save()
   runs = [(entry, arm) for entry in saved["seeds"] for arm in arms if arm != "sft_only"]
   for entry, arm in runs:
-    dst = os.path.join(arm_dir(entry["seed"], arm), "checkpoints", "sft")
-    if config_of(arm, entry["seed"]).sft.steps and not os.path.exists(dst):
-      shutil.copytree(os.path.join(arm_dir(entry["seed"], "sft_only"), "checkpoints", "sft"), dst)
+    if config_of(arm, entry["seed"]).sft.steps:
+      experiment.start_from(arm_dir(entry["seed"], "sft_only"), arm_dir(entry["seed"], arm), "sft")
   records = machine.run_parallel(run_arm, [(config_of(arm, entry["seed"]), arm_dir(entry["seed"], arm))
                                            for entry, arm in runs], FLAGS.workers)
   for (entry, arm), record in zip(runs, records):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import time
 from typing import Any, Callable
@@ -209,6 +210,16 @@ class _PhaseRunner:
 
   def close(self):
     self.ckpt.close()
+
+
+def start_from(source_workdir: str, workdir: str, phase: str) -> bool:
+  """Starts the run in ``workdir`` from a copy of ``source_workdir``'s ``phase`` checkpoints (the runner then
+  resumes that phase, or skips it if finished); a copy already there is kept. Returns whether it copied."""
+  dst = os.path.join(workdir, "checkpoints", phase)
+  if os.path.exists(dst):
+    return False
+  shutil.copytree(os.path.join(source_workdir, "checkpoints", phase), dst)
+  return True
 
 
 def run(config, workdir: str, final_eval: Callable[[nnx.Module, Task], dict[str, Any]] | None = None
