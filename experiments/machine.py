@@ -36,15 +36,25 @@ def timed(fn: Callable[..., Any], *args, **kwargs) -> tuple[Any, dict[str, float
                   "system_s": usage1.ru_stime - usage0.ru_stime}
 
 
-def run_parallel(fn: Callable[..., Any], jobs: Sequence[tuple[Any, ...]], workers: int) -> list[Any]:
+def run_parallel(fn: Callable[..., Any], jobs: Sequence[tuple[Any, ...]], workers: int,
+                 on_result: Callable[[int, Any], None] | None = None) -> list[Any]:
   """``[fn(*job) for job in jobs]``, ``workers`` processes at a time (in order when ``workers <= 1``).
 
-  ``fn`` and the jobs must pickle (a module-level function; configs as ``ConfigDict``); each process is
-  spawned, not forked (JAX is not fork-safe), so it starts with a fresh JAX.
+  ``on_result(i, result)`` (optional) is called in this process as soon as job ``i`` finishes, in the order the
+  jobs finish: a long run saves what is done before the rest finishes. ``fn`` and the jobs must pickle (a
+  module-level function; configs as ``ConfigDict``); each process is spawned, not forked (JAX is not fork-safe),
+  so it starts with a fresh JAX.
   """
+  report = on_result or (lambda i, result: None)
   if workers <= 1:
-    return [fn(*job) for job in jobs]
+    results = []
+    for i, job in enumerate(jobs):
+      results.append(fn(*job))
+      report(i, results[-1])
+    return results
   context = multiprocessing.get_context("spawn")
   with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-    futures = [pool.submit(fn, *job) for job in jobs]
+    futures = {pool.submit(fn, *job): i for i, job in enumerate(jobs)}
+    for future in concurrent.futures.as_completed(futures):
+      report(futures[future], future.result())
     return [f.result() for f in futures]

@@ -20,8 +20,11 @@ Runs live in ``<workdir>/seed_<s>/<arm>``; every run resumes, and a finished arm
    ``final_eval.recovery_fraction``. Once all arms of a seed are done, step quality is also summarised on the
    ``(map, state, remaining turns)`` keys every arm visited (matched states).
 
-The results go to ``experiments/results/budgetmix/results.json`` (committed) after the base runs and at the
-end, and ``experiments/RESULTS.md`` is regenerated (section :mod:`experiments.reports.budgetmix`).
+The results go to ``experiments/results/budgetmix/results.json`` (committed) after the base runs, as soon as a
+seed's last arm is done (the seed is then ``finished``) and at the end, when ``experiments/RESULTS.md`` is
+regenerated (section :mod:`experiments.reports.budgetmix`). A rerun with the same setup reuses the finished seeds
+of the results file and runs only the others: a run longer than a session goes on from its committed results,
+on whichever machine (each seed records its own).
 
 Sizing loop: ``--headroom_only --arms=base --seeds=0 [--config.multiturn_sft.steps=...]`` runs only the base SFT
 and the gate and prints its statistics. Pilot (2026-12-01, this 2-core CPU while another experiment kept it at a
@@ -250,6 +253,18 @@ def arm_dir(seed: int, arm: str) -> str:
   return os.path.join(FLAGS.workdir, f"seed_{seed}", arm)
 
 
+def finish_seed(entry: dict[str, Any], arms: Sequence[str], splits: Sequence[str]) -> bool:
+  """Once every arm of the seed is evaluated: step quality on the states every arm visited, and ``finished``."""
+  if entry.get("finished") or any(arm not in entry["arms"] for arm in arms):
+    return False
+  for split in splits:
+    for arm, q in matched_quality({arm: arm_dir(entry["seed"], arm) for arm in arms}, split).items():
+      entry["arms"][arm]["final"][split]["matched_quality"] = {"full": q}
+  entry["arms"] = {arm: entry["arms"][arm] for arm in arms}  # In the table's order, whatever finished first.
+  entry["finished"] = True
+  return True
+
+
 def main(argv):
   del argv
   config = FLAGS.config
@@ -259,42 +274,49 @@ def main(argv):
     raise app.UsageError("--arms must start with base (the shared SFT and the headroom gate)")
   for arm in arms:
     arm_config(config, arm, 0)  # Validates the names before anything runs.
+  setup = setup_record(config, arms)
   saved = {"command": "python -m experiments.reproduce_budgetmix " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-           "machine": machine.description(), "family_alpha": FLAGS.family_alpha,
-           "setup": setup_record(config, arms), "arms": arms,
-           "seeds": [{"seed": seed, "arms": {}} for seed in seeds]}
+           "machine": machine.description(), "family_alpha": FLAGS.family_alpha, "setup": setup, "arms": arms}
+  reused = {} if FLAGS.headroom_only else results_md.reusable_seeds(FLAGS.results_file, setup,
+                                                                    lambda entry: entry.get("finished", False))
+  entries = {s: reused.get(s) or {"seed": s, "machine": saved["machine"], "arms": {}} for s in {*seeds, *reused}}
+  saved["seeds"] = [entries[s] for s in sorted(entries)]
+  todo = [s for s in seeds if s not in reused]
+  if reused:
+    print(f"seeds {sorted(reused)}: finished in {FLAGS.results_file}, reused", flush=True)
 
   bases = machine.run_parallel(run_arm, [(arm_config(config, "base", s), arm_dir(s, "base"), True,
-                                          FLAGS.headroom_only) for s in seeds], FLAGS.workers)
-  for entry, record in zip(saved["seeds"], bases):
-    entry["headroom"] = record.pop("headroom")
+                                          FLAGS.headroom_only) for s in todo], FLAGS.workers)
+  for s, record in zip(todo, bases):
+    entries[s]["headroom"] = record.pop("headroom")
     if FLAGS.headroom_only:
       timing = {k: record.get(k) for k in ("wall_s", "user_s", "phase_wall_s")}
-      print(f"seed {entry['seed']}:", json.dumps({**entry["headroom"]["statistics"],
-                                                   "passed": entry["headroom"]["passed"], **timing}))
+      print(f"seed {s}:", json.dumps({**entries[s]["headroom"]["statistics"],
+                                      "passed": entries[s]["headroom"]["passed"], **timing}))
   if FLAGS.headroom_only:
     return
-  stopped = [f"seed {entry['seed']}: {record['stopped']}" for entry, record in zip(saved["seeds"], bases)
-             if "stopped" in record]
+  stopped = [f"seed {s}: {record['stopped']}" for s, record in zip(todo, bases) if "stopped" in record]
   if stopped:
     saved["stopped"] = " ".join(stopped)
     results_md.save_results(saved, FLAGS.results_file)
     sys.exit(saved["stopped"])
-  for entry, record in zip(saved["seeds"], bases):
-    entry["arms"]["base"] = record
+  for s, record in zip(todo, bases):
+    entries[s]["arms"]["base"] = record
+    finish_seed(entries[s], arms, config.final_eval.splits)
   results_md.save_results(saved, FLAGS.results_file)
 
-  runs = [(entry, arm) for entry in saved["seeds"] for arm in arms[1:]]
-  for entry, arm in runs:
-    experiment.start_from(arm_dir(entry["seed"], "base"), arm_dir(entry["seed"], arm), "multiturn_sft")
-  records = machine.run_parallel(run_arm, [(arm_config(config, arm, entry["seed"]), arm_dir(entry["seed"], arm),
-                                            False) for entry, arm in runs], FLAGS.workers)
-  for (entry, arm), record in zip(runs, records):
-    entry["arms"][arm] = record
-  for entry in saved["seeds"]:
-    for split in config.final_eval.splits:
-      for arm, q in matched_quality({arm: arm_dir(entry["seed"], arm) for arm in arms}, split).items():
-        entry["arms"][arm]["final"][split]["matched_quality"] = {"full": q}
+  runs = [(s, arm) for s in todo for arm in arms[1:]]
+  for s, arm in runs:
+    experiment.start_from(arm_dir(s, "base"), arm_dir(s, arm), "multiturn_sft")
+
+  def save_finished_seed(i: int, record: dict[str, Any]):
+    seed, arm = runs[i]
+    entries[seed]["arms"][arm] = record
+    if finish_seed(entries[seed], arms, config.final_eval.splits):
+      results_md.save_results(saved, FLAGS.results_file)  # A stopped run goes on from here.
+
+  machine.run_parallel(run_arm, [(arm_config(config, arm, s), arm_dir(s, arm), False) for s, arm in runs],
+                       FLAGS.workers, on_result=save_finished_seed)
   print(results_md.write_results(saved, FLAGS.results_file, report))
 
 

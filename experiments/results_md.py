@@ -20,7 +20,7 @@ import importlib
 import json
 import os
 import sys
-from typing import Sequence
+from typing import Callable, Sequence
 
 EXPERIMENTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(EXPERIMENTS)
@@ -77,6 +77,21 @@ def save_results(saved, results_file: str) -> str:
   with open(path, "w") as f:
     json.dump(saved, f, indent=1)
   return path
+
+
+def reusable_seeds(results_file: str, setup, finished: Callable[[dict], bool]) -> dict[int, dict]:
+  """The seed entries (``saved["seeds"]``, keyed by ``"seed"``) of the results already at ``results_file`` that
+  ``finished(entry)`` accepts, when they were saved with the same ``setup``: a reproduction longer than a session
+  goes on from its committed results, seed by seed. Another setup reuses nothing (and says so)."""
+  path = _absolute(results_file)
+  if not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    previous = json.load(f)
+  if previous.get("setup") != setup:
+    print(f"{path} was saved with another setup: none of its seeds is reused", file=sys.stderr)
+    return {}
+  return {entry["seed"]: entry for entry in previous.get("seeds", []) if finished(entry)}
 
 
 def is_committed(results_file: str, report) -> bool:

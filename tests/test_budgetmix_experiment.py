@@ -167,7 +167,7 @@ def _reproduce(workdir, results_file, *flags_):
                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
 
 
-def test_tiny_reproduction_runs_every_seed_and_arm_in_parallel_and_reads_finished_arms_back(tmp_path):
+def test_tiny_reproduction_runs_every_seed_and_arm_in_parallel_and_reuses_finished_arms_and_seeds(tmp_path):
   workdir, results_file = str(tmp_path / "runs"), str(tmp_path / "results.json")
   arms = ["base", "grpo_full", "grpo_budgetmix"]
   proc = _reproduce(workdir, results_file, "--seeds=0,1", f"--arms={','.join(arms)}", "--workers=2")
@@ -181,16 +181,23 @@ def test_tiny_reproduction_runs_every_seed_and_arm_in_parallel_and_reads_finishe
       assert set(record["final"]) == {"test", "test_8x8"}, arm
       assert {"quality", "num_steps"} <= set(record["final"]["test"]["matched_quality"]["full"]), arm
       assert [r["step"] for r in record["train"]] == ([] if arm == "base" else [1, 2]), arm
+    assert entry["finished"] and entry["machine"] == saved["machine"]
   finished = {os.path.join(workdir, f"seed_{s}", arm, "final_eval.json") for s in (0, 1) for arm in arms}
   stamps = {path: os.path.getmtime(path) for path in finished}
-  # Rerun, one process: every arm is read back (no run, no evaluation), and the results are the same.
-  proc = _reproduce(workdir, results_file, "--seeds=0,1", f"--arms={','.join(arms)}")
+  # Rerun into another results file, one process: every arm is read back from the workdir (no run, no evaluation).
+  reread_file = str(tmp_path / "reread.json")
+  proc = _reproduce(workdir, reread_file, "--seeds=0,1", f"--arms={','.join(arms)}")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert {path: os.path.getmtime(path) for path in finished} == stamps
-  with open(results_file) as f:
-    reread = json.load(f)
-  assert {**reread, "command": None} == {**saved, "command": None}
+  with open(reread_file) as f:
+    assert {**json.load(f), "command": None} == {**saved, "command": None}
   assert "Claimed directions on `test`" in proc.stdout
+  # Rerun on another machine (an empty workdir) into the first results file: its finished seeds are reused whole.
+  proc = _reproduce(str(tmp_path / "elsewhere"), results_file, "--seeds=0,1", f"--arms={','.join(arms)}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "seeds [0, 1]: finished" in proc.stdout and not os.path.exists(tmp_path / "elsewhere" / "seed_0")
+  with open(results_file) as f:
+    assert {**json.load(f), "command": None} == {**saved, "command": None}
 
 
 def test_a_failed_gate_stops_the_reproduction_before_any_rl_run(tmp_path):
@@ -235,7 +242,7 @@ def _saved(gigpo_mix_25: float):
     noise = float(rng.normal(0, 0.05))
     final = {"base": (base, 0.2), "grpo_full": (full, 0.3), "grpo_budgetmix": (mix, 0.5 + e()),
              "gigpo_full": (full, 0.3), "gigpo_budgetmix": (gmix, 0.3 + noise)}
-    seeds.append({"seed": seed, "headroom": {"statistics": {"pass_at_8_25": 0.4}, "passed": True,
+    seeds.append({"seed": seed, "finished": True, "headroom": {"statistics": {"pass_at_8_25": 0.4}, "passed": True,
                                              "checks": [{"statistic": "pass_at_8_25", "bound": "min",
                                                          "threshold": 0.05, "value": 0.4, "passed": True}]},
                   "arms": {arm: {"final": {"test": _evaluation(*v)}} for arm, v in final.items()}})

@@ -3,9 +3,11 @@
 import json
 import os
 import re
+import time
 
 import pytest
 
+from experiments import machine
 from experiments import results_md
 from experiments.reports import grpo_arithmetic
 
@@ -22,6 +24,40 @@ def test_results_go_where_asked_and_only_the_committed_file_regenerates_results_
   committed = grpo_arithmetic.RESULTS_FILE
   assert results_md.is_committed(committed, grpo_arithmetic)
   assert results_md.is_committed(os.path.join(results_md.ROOT, committed), grpo_arithmetic)
+
+
+def test_a_longer_run_reuses_only_the_finished_seeds_saved_with_the_same_setup(tmp_path, capsys):
+  path = str(tmp_path / "results.json")
+  assert results_md.reusable_seeds(path, {"steps": 3}, lambda e: True) == {}  # Nothing saved yet.
+  seeds = [{"seed": 0, "finished": True, "arms": {"a": 1}}, {"seed": 2, "arms": {}}, {"seed": 1, "finished": True}]
+  results_md.save_results({"setup": {"steps": 3}, "seeds": seeds}, path)
+  finished = lambda entry: entry.get("finished", False)
+  assert results_md.reusable_seeds(path, {"steps": 3}, finished) == {0: seeds[0], 1: seeds[2]}
+  assert results_md.reusable_seeds(path, {"steps": 4}, finished) == {}
+  assert "another setup" in capsys.readouterr().err
+
+
+def _square(x, wait_for=None):
+  """``x * x``, once ``wait_for`` exists (at most 120 s)."""
+  deadline = time.time() + 120
+  while wait_for and not os.path.exists(wait_for) and time.time() < deadline:
+    time.sleep(0.01)
+  return x * x
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_run_parallel_reports_each_result_as_it_finishes_and_returns_them_in_job_order(workers, tmp_path):
+  reported = []
+  second_reported = str(tmp_path / "second_reported")
+
+  def on_result(i, result):
+    reported.append((i, result))
+    open(second_reported, "w").close()
+
+  # In parallel the first job waits until the second one's result has been reported; in order, nothing waits.
+  jobs = [(3, second_reported), (4,)] if workers > 1 else [(3,), (4,)]
+  assert machine.run_parallel(_square, jobs, workers, on_result=on_result) == [9, 16]
+  assert reported == ([(1, 16), (0, 9)] if workers > 1 else [(0, 9), (1, 16)])
 
 
 @pytest.mark.parametrize("module", results_md.REPORTS)

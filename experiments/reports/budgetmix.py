@@ -31,7 +31,9 @@ from lemon_rl.eval.stats import PairedComparison, format_mean_ci, format_paired_
 
 TITLE = "BudgetMix on FrozenLake (multi-turn RL under turn budgets)"
 RESULTS_FILE = "experiments/results/budgetmix/results.json"
-COMMAND = "python -m experiments.reproduce_budgetmix --workdir=runs/budgetmix --seeds=0,1,2,3,4 --workers=2"
+PLANNED_SEEDS = (0, 1, 2, 3, 4)
+COMMAND = ("python -m experiments.reproduce_budgetmix --workdir=runs/budgetmix "
+           f"--seeds={','.join(map(str, PLANNED_SEEDS))} --workers=2")
 MISSING = ("Not run yet: the pipeline, its step-0 headroom gate and the sizing pilot are in "
            "`experiments/reproduce_budgetmix.py`.")
 
@@ -155,11 +157,21 @@ def claim_summary(keyed: Sequence[tuple[str, Any]]) -> list[str]:
   return lines
 
 
+def machines(saved: Mapping[str, Any]) -> str:
+  """Where the seeds ran (a run that spans sessions may change machines; each seed records its own)."""
+  by_machine: dict[str, list[str]] = {}
+  for s in saved["seeds"]:
+    by_machine.setdefault(s.get("machine", saved["machine"]), []).append(str(s["seed"]))
+  if len(by_machine) <= 1:
+    return f"on {next(iter(by_machine), saved['machine'])}"
+  return "; ".join(f"seeds {', '.join(seeds)} on {m}" for m, seeds in by_machine.items())
+
+
 def render(saved: Mapping[str, Any]) -> str:
   setup, seeds, arms = saved["setup"], saved["seeds"], list(saved["arms"])
   pcts = [int(round(100 * f)) for f in setup["fractions"]]
   k = int(setup["max_k"])
-  lines = [f"Command: `{saved['command']}` on {saved['machine']}.", ""]
+  lines = [f"Command: `{saved['command']}`; {machines(saved)}.", ""]
   lines += [
       f"Per seed one multi-turn SFT on {setup['num_sft']} noisy-expert demonstrations ({setup['sft_steps']} steps) "
       f"is the base policy and the start of every RL arm ({setup['rl_steps']} steps x {setup['maps_per_step']} maps "
@@ -170,6 +182,10 @@ def render(saved: Mapping[str, Any]) -> str:
       f"Step quality is Q*(s, a) / max Q*(s, .) (gamma 0.95) of the full-budget episodes' moves; recovery is the "
       f"success rate after an injected detour at {int(round(100 * setup['recovery_fraction']))}% of T_max. "
       "Mean ± 95% CI over seeds.", ""]
+  finished = [s["seed"] for s in seeds if s.get("finished")]
+  if not set(PLANNED_SEEDS) <= set(finished):
+    lines += [f"**In progress:** seeds finished {finished or 'none'} of the planned {list(PLANNED_SEEDS)}; the "
+              "section's command goes on from the committed results and runs only the other seeds.", ""]
   lines += headroom_table(saved)
   if saved.get("stopped"):
     lines += ["", f"**Stopped:** {saved['stopped']}"]
