@@ -277,7 +277,7 @@ def main(argv):
   setup = setup_record(config, arms)
   saved = {"command": "python -m experiments.reproduce_budgetmix " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
            "machine": machine.description(), "family_alpha": FLAGS.family_alpha, "setup": setup, "arms": arms}
-  reused = {} if FLAGS.headroom_only else results_md.reusable_seeds(FLAGS.results_file, setup,
+  reused = {} if FLAGS.headroom_only else results_md.reusable_seeds(FLAGS.results_file, {"setup": setup},
                                                                     lambda entry: entry.get("finished", False))
   entries = {s: reused.get(s) or {"seed": s, "machine": saved["machine"], "arms": {}} for s in {*seeds, *reused}}
   saved["seeds"] = [entries[s] for s in sorted(entries)]

@@ -19,8 +19,10 @@ of ``lemon.step0_thresholds``). Each RL arm (``grpo``, ``lemon``, ``no_<family>`
 that SFT checkpoint; ``no_sft`` runs LEMON from a random orchestrator. Every seed's ``sft_only`` run comes
 first, then every (seed, RL arm) run; ``--workers=N`` runs N of them at a time, each in its own process. Runs
 resume; a finished one is re-read from its ``arm.json``. Results go to ``experiments/results/lemon/results.json``
-(after the SFT runs and at the end) and the section of ``experiments/RESULTS.md`` is regenerated when the results
-file is the committed one.
+(after the SFT runs, as soon as a seed's last arm is done, and at the end) and the section of
+``experiments/RESULTS.md`` is regenerated when the results file is the committed one. A rerun with the same setup
+and worker models reuses the seeds of the results file that have every arm, and runs only the others: a run
+longer than a session goes on from its committed results (each seed records its machine).
 """
 
 import json
@@ -170,20 +172,34 @@ def main(argv):
     path = results_md.save_results(saved, FLAGS.results_file)
     report.plot(saved, os.path.join(os.path.dirname(path), "curves.png"))
 
-  saved["seeds"] = [{"seed": seed, "arms": {}} for seed in seeds]
-  sft_runs = [(config_of("sft_only", s), arm_dir(s, "sft_only"), FLAGS.step0_examples) for s in seeds]
-  for entry, record in zip(saved["seeds"], machine.run_parallel(run_arm, sft_runs, FLAGS.workers)):
-    entry["step0"] = record.pop("step0")
-    entry["arms"]["sft_only"] = record
+  all_arms = ["sft_only", *[arm for arm in arms if arm != "sft_only"]]
+  finished = lambda entry: all(arm in entry["arms"] for arm in all_arms)
+  reused = results_md.reusable_seeds(FLAGS.results_file, {"setup": saved["setup"], "workers": saved["workers"]},
+                                     finished)
+  entries = {s: reused.get(s) or {"seed": s, "machine": saved["machine"], "arms": {}} for s in {*seeds, *reused}}
+  saved["seeds"] = [entries[s] for s in sorted(entries)]
+  todo = [s for s in seeds if s not in reused]
+  if reused:
+    print(f"seeds {sorted(reused)}: finished in {FLAGS.results_file}, reused", flush=True)
+  sft_runs = [(config_of("sft_only", s), arm_dir(s, "sft_only"), FLAGS.step0_examples) for s in todo]
+  for s, record in zip(todo, machine.run_parallel(run_arm, sft_runs, FLAGS.workers)):
+    entries[s]["step0"] = record.pop("step0")
+    entries[s]["arms"]["sft_only"] = record
   save()
-  runs = [(entry, arm) for entry in saved["seeds"] for arm in arms if arm != "sft_only"]
-  for entry, arm in runs:
-    if config_of(arm, entry["seed"]).sft.steps:
-      experiment.start_from(arm_dir(entry["seed"], "sft_only"), arm_dir(entry["seed"], arm), "sft")
-  records = machine.run_parallel(run_arm, [(config_of(arm, entry["seed"]), arm_dir(entry["seed"], arm))
-                                           for entry, arm in runs], FLAGS.workers)
-  for (entry, arm), record in zip(runs, records):
-    entry["arms"][arm] = record
+  runs = [(s, arm) for s in todo for arm in arms if arm != "sft_only"]
+  for s, arm in runs:
+    if config_of(arm, s).sft.steps:
+      experiment.start_from(arm_dir(s, "sft_only"), arm_dir(s, arm), "sft")
+
+  def save_finished_seed(i: int, record: dict):
+    seed, arm = runs[i]
+    entries[seed]["arms"][arm] = record
+    if finished(entries[seed]):
+      entries[seed]["arms"] = {arm: entries[seed]["arms"][arm] for arm in all_arms}  # Whatever finished first.
+      save()  # A stopped run goes on from here.
+
+  machine.run_parallel(run_arm, [(config_of(arm, s), arm_dir(s, arm)) for s, arm in runs], FLAGS.workers,
+                       on_result=save_finished_seed)
   saved["done"] = True
   save()
   print(results_md.publish(saved, FLAGS.results_file, report))

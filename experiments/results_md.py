@@ -20,7 +20,7 @@ import importlib
 import json
 import os
 import sys
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 EXPERIMENTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(EXPERIMENTS)
@@ -79,19 +79,31 @@ def save_results(saved, results_file: str) -> str:
   return path
 
 
-def reusable_seeds(results_file: str, setup, finished: Callable[[dict], bool]) -> dict[int, dict]:
+def reusable_seeds(results_file: str, same: Mapping[str, Any], finished: Callable[[dict], bool]) -> dict[int, dict]:
   """The seed entries (``saved["seeds"]``, keyed by ``"seed"``) of the results already at ``results_file`` that
-  ``finished(entry)`` accepts, when they were saved with the same ``setup``: a reproduction longer than a session
-  goes on from its committed results, seed by seed. Another setup reuses nothing (and says so)."""
+  ``finished(entry)`` accepts, when every key of ``same`` (e.g. ``{"setup": ...}``) was saved with the same value:
+  a reproduction longer than a session goes on from its committed results, seed by seed. Anything else differing
+  reuses nothing (and says so)."""
   path = _absolute(results_file)
   if not os.path.exists(path):
     return {}
   with open(path) as f:
     previous = json.load(f)
-  if previous.get("setup") != setup:
-    print(f"{path} was saved with another setup: none of its seeds is reused", file=sys.stderr)
+  differing = [key for key, value in same.items() if previous.get(key) != value]
+  if differing:
+    print(f"{path} was saved with another {' and '.join(differing)}: none of its seeds is reused", file=sys.stderr)
     return {}
   return {entry["seed"]: entry for entry in previous.get("seeds", []) if finished(entry)}
+
+
+def where_seeds_ran(saved: Mapping[str, Any]) -> str:
+  """``on <machine>``, or per machine the seeds it ran, for a run that went on over sessions and machines."""
+  by_machine: dict[str, list[str]] = {}
+  for entry in saved["seeds"]:
+    by_machine.setdefault(entry.get("machine", saved["machine"]), []).append(str(entry["seed"]))
+  if len(by_machine) <= 1:
+    return f"on {next(iter(by_machine), saved['machine'])}"
+  return "; ".join(f"seeds {', '.join(seeds)} on {m}" for m, seeds in by_machine.items())
 
 
 def is_committed(results_file: str, report) -> bool:

@@ -310,7 +310,7 @@ def _reproduce(workdir, results_file, *flags_):
                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
 
 
-def test_tiny_reproduction_runs_seeds_and_arms_in_parallel_and_reads_finished_arms_back(tmp_path):
+def test_tiny_reproduction_runs_seeds_and_arms_in_parallel_and_reuses_finished_arms_and_seeds(tmp_path):
   workdir, results_file = str(tmp_path / "runs"), str(tmp_path / "results.json")
   proc = _reproduce(workdir, results_file, "--workers=2")
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -327,13 +327,21 @@ def test_tiny_reproduction_runs_seeds_and_arms_in_parallel_and_reads_finished_ar
   assert not os.path.exists(os.path.join(workdir, "seed_1", "no_sft", "checkpoints", "sft"))
   finished = [os.path.join(workdir, f"seed_{s}", arm, "arm.json") for s in (0, 1) for arm in ("sft_only", "grpo")]
   stamps = [os.path.getmtime(path) for path in finished]
-  # Rerun, one process: every arm is read back (no run, no step-0 check), and the results are the same.
-  proc = _reproduce(workdir, results_file)
+  # Rerun into another results file, one process: every arm is read back from the workdir (no run, no step-0
+  # check), and the results are the same.
+  reread_file = str(tmp_path / "reread.json")
+  proc = _reproduce(workdir, reread_file)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert [os.path.getmtime(path) for path in finished] == stamps
-  with open(results_file) as f:
+  with open(reread_file) as f:
     assert {**json.load(f), "command": None} == {**saved, "command": None}
   assert "LEMON - global GRPO, accuracy" in proc.stdout
+  # Rerun on another machine (an empty workdir) into the first results file: its finished seeds are reused whole.
+  proc = _reproduce(str(tmp_path / "elsewhere"), results_file)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "seeds [0, 1]: finished" in proc.stdout and not os.path.exists(tmp_path / "elsewhere" / "seed_0")
+  with open(results_file) as f:
+    assert {**json.load(f), "command": None} == {**saved, "command": None}
 
 
 def test_config_arms_and_checks():

@@ -28,13 +28,16 @@ def test_results_go_where_asked_and_only_the_committed_file_regenerates_results_
 
 def test_a_longer_run_reuses_only_the_finished_seeds_saved_with_the_same_setup(tmp_path, capsys):
   path = str(tmp_path / "results.json")
-  assert results_md.reusable_seeds(path, {"steps": 3}, lambda e: True) == {}  # Nothing saved yet.
+  assert results_md.reusable_seeds(path, {"setup": {"steps": 3}}, lambda e: True) == {}  # Nothing saved yet.
   seeds = [{"seed": 0, "finished": True, "arms": {"a": 1}}, {"seed": 2, "arms": {}}, {"seed": 1, "finished": True}]
-  results_md.save_results({"setup": {"steps": 3}, "seeds": seeds}, path)
+  results_md.save_results({"setup": {"steps": 3}, "workers": "w", "seeds": seeds}, path)
   finished = lambda entry: entry.get("finished", False)
-  assert results_md.reusable_seeds(path, {"steps": 3}, finished) == {0: seeds[0], 1: seeds[2]}
-  assert results_md.reusable_seeds(path, {"steps": 4}, finished) == {}
-  assert "another setup" in capsys.readouterr().err
+  same = {"setup": {"steps": 3}, "workers": "w"}
+  assert results_md.reusable_seeds(path, same, finished) == {0: seeds[0], 1: seeds[2]}
+  assert results_md.reusable_seeds(path, {**same, "setup": {"steps": 4}}, finished) == {}
+  assert "another setup:" in capsys.readouterr().err
+  assert results_md.reusable_seeds(path, {"setup": {"steps": 5}, "workers": "v"}, finished) == {}
+  assert "another setup and workers:" in capsys.readouterr().err
 
 
 def _square(x, wait_for=None):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Sequence
 
+from experiments import results_md
 from lemon_rl.eval.stats import PairedComparison, format_mean_ci, format_paired_table, holm_paired_intervals
 
 TITLE = "BudgetMix on FrozenLake (multi-turn RL under turn budgets)"
@@ -157,21 +158,11 @@ def claim_summary(keyed: Sequence[tuple[str, Any]]) -> list[str]:
   return lines
 
 
-def machines(saved: Mapping[str, Any]) -> str:
-  """Where the seeds ran (a run that spans sessions may change machines; each seed records its own)."""
-  by_machine: dict[str, list[str]] = {}
-  for s in saved["seeds"]:
-    by_machine.setdefault(s.get("machine", saved["machine"]), []).append(str(s["seed"]))
-  if len(by_machine) <= 1:
-    return f"on {next(iter(by_machine), saved['machine'])}"
-  return "; ".join(f"seeds {', '.join(seeds)} on {m}" for m, seeds in by_machine.items())
-
-
 def render(saved: Mapping[str, Any]) -> str:
   setup, seeds, arms = saved["setup"], saved["seeds"], list(saved["arms"])
   pcts = [int(round(100 * f)) for f in setup["fractions"]]
   k = int(setup["max_k"])
-  lines = [f"Command: `{saved['command']}`; {machines(saved)}.", ""]
+  lines = [f"Command: `{saved['command']}` {results_md.where_seeds_ran(saved)}.", ""]
   lines += [
       f"Per seed one multi-turn SFT on {setup['num_sft']} noisy-expert demonstrations ({setup['sft_steps']} steps) "
       f"is the base policy and the start of every RL arm ({setup['rl_steps']} steps x {setup['maps_per_step']} maps "

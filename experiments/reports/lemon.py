@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from experiments import results_md
 from lemon_rl.eval.stats import PairedComparison, format_mean_ci, format_paired_table, holm_paired_intervals
 
 TITLE = "LEMON orchestration"
@@ -128,8 +129,8 @@ def render(saved: Mapping[str, Any]) -> str:
   setup, seeds = saved["setup"], saved["seeds"]
   r = setup["reward"]
   lines = [
-      f"Command: `{saved['command']}` on {saved['machine']}" + ("" if saved.get("done") else " (partial: still "
-                                                                 "running or stopped)") + ".",
+      f"Command: `{saved['command']}` {results_md.where_seeds_ran(saved)}"
+      + ("" if saved.get("done") else " (partial: still running or stopped)") + ".",
       "",
       f"Word problems (half with a multiplication); reward = success + {r['lambda_tok']} x token efficiency "
       f"(budget {r['token_budget']:g} worker tokens) - {r['lambda_graph']} x graph cost, {r['invalid_reward']} "
