@@ -277,13 +277,9 @@ def main(argv):
   setup = setup_record(config, arms)
   saved = {"command": "python -m experiments.reproduce_budgetmix " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
            "machine": machine.description(), "family_alpha": FLAGS.family_alpha, "setup": setup, "arms": arms}
-  reused = {} if FLAGS.headroom_only else results_md.reusable_seeds(FLAGS.results_file, {"setup": setup},
-                                                                    lambda entry: entry.get("finished", False))
-  entries = {s: reused.get(s) or {"seed": s, "machine": saved["machine"], "arms": {}} for s in {*seeds, *reused}}
-  saved["seeds"] = [entries[s] for s in sorted(entries)]
-  todo = [s for s in seeds if s not in reused]
-  if reused:
-    print(f"seeds {sorted(reused)}: finished in {FLAGS.results_file}, reused", flush=True)
+  todo = results_md.resume_seeds(saved, seeds, FLAGS.results_file, ("setup",),  # The sizing loop reuses nothing.
+                                 lambda entry: entry.get("finished", False) and not FLAGS.headroom_only)
+  entries = {entry["seed"]: entry for entry in saved["seeds"]}
 
   bases = machine.run_parallel(run_arm, [(arm_config(config, "base", s), arm_dir(s, "base"), True,
                                           FLAGS.headroom_only) for s in todo], FLAGS.workers)

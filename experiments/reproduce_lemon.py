@@ -174,13 +174,8 @@ def main(argv):
 
   all_arms = ["sft_only", *[arm for arm in arms if arm != "sft_only"]]
   finished = lambda entry: all(arm in entry["arms"] for arm in all_arms)
-  reused = results_md.reusable_seeds(FLAGS.results_file, {"setup": saved["setup"], "workers": saved["workers"]},
-                                     finished)
-  entries = {s: reused.get(s) or {"seed": s, "machine": saved["machine"], "arms": {}} for s in {*seeds, *reused}}
-  saved["seeds"] = [entries[s] for s in sorted(entries)]
-  todo = [s for s in seeds if s not in reused]
-  if reused:
-    print(f"seeds {sorted(reused)}: finished in {FLAGS.results_file}, reused", flush=True)
+  todo = results_md.resume_seeds(saved, seeds, FLAGS.results_file, ("setup", "workers"), finished)
+  entries = {entry["seed"]: entry for entry in saved["seeds"]}
   sft_runs = [(config_of("sft_only", s), arm_dir(s, "sft_only"), FLAGS.step0_examples) for s in todo]
   for s, record in zip(todo, machine.run_parallel(run_arm, sft_runs, FLAGS.workers)):
     entries[s]["step0"] = record.pop("step0")

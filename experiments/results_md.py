@@ -79,21 +79,30 @@ def save_results(saved, results_file: str) -> str:
   return path
 
 
-def reusable_seeds(results_file: str, same: Mapping[str, Any], finished: Callable[[dict], bool]) -> dict[int, dict]:
-  """The seed entries (``saved["seeds"]``, keyed by ``"seed"``) of the results already at ``results_file`` that
-  ``finished(entry)`` accepts, when every key of ``same`` (e.g. ``{"setup": ...}``) was saved with the same value:
-  a reproduction longer than a session goes on from its committed results, seed by seed. Anything else differing
-  reuses nothing (and says so)."""
+def resume_seeds(saved: dict[str, Any], seeds: Sequence[int], results_file: str, same: Sequence[str],
+                 finished: Callable[[dict], bool]) -> list[int]:
+  """Fills ``saved["seeds"]`` (sorted by seed) and returns the seeds still to run.
+
+  A seed entry of the results already at ``results_file`` that ``finished(entry)`` accepts is reused whole when
+  that file holds the same values as ``saved`` under every key of ``same`` (e.g. ``("setup",)``): a reproduction
+  longer than a session goes on from its committed results, seed by seed. Every other seed of ``seeds`` gets a
+  fresh entry ``{"seed", "machine", "arms": {}}``. Another setup reuses nothing (and says so).
+  """
   path = _absolute(results_file)
-  if not os.path.exists(path):
-    return {}
-  with open(path) as f:
-    previous = json.load(f)
-  differing = [key for key, value in same.items() if previous.get(key) != value]
-  if differing:
-    print(f"{path} was saved with another {' and '.join(differing)}: none of its seeds is reused", file=sys.stderr)
-    return {}
-  return {entry["seed"]: entry for entry in previous.get("seeds", []) if finished(entry)}
+  reused = {}
+  if os.path.exists(path):
+    with open(path) as f:
+      previous = json.load(f)
+    differing = [key for key in same if previous.get(key) != saved[key]]
+    if differing:
+      print(f"{path} was saved with another {' and '.join(differing)}: none of its seeds is reused", file=sys.stderr)
+    else:
+      reused = {entry["seed"]: entry for entry in previous.get("seeds", []) if finished(entry)}
+  if reused:
+    print(f"seeds {sorted(reused)}: finished in {results_file}, reused", flush=True)
+  entries = {s: reused.get(s) or {"seed": s, "machine": saved["machine"], "arms": {}} for s in {*seeds, *reused}}
+  saved["seeds"] = [entries[s] for s in sorted(entries)]
+  return [s for s in seeds if s not in reused]
 
 
 def where_seeds_ran(saved: Mapping[str, Any]) -> str:

@@ -28,15 +28,20 @@ def test_results_go_where_asked_and_only_the_committed_file_regenerates_results_
 
 def test_a_longer_run_reuses_only_the_finished_seeds_saved_with_the_same_setup(tmp_path, capsys):
   path = str(tmp_path / "results.json")
-  assert results_md.reusable_seeds(path, {"setup": {"steps": 3}}, lambda e: True) == {}  # Nothing saved yet.
-  seeds = [{"seed": 0, "finished": True, "arms": {"a": 1}}, {"seed": 2, "arms": {}}, {"seed": 1, "finished": True}]
-  results_md.save_results({"setup": {"steps": 3}, "workers": "w", "seeds": seeds}, path)
+  fresh = lambda seed: {"seed": seed, "machine": "here", "arms": {}}
+  saved = {"setup": {"steps": 3}, "workers": "w", "machine": "here"}
   finished = lambda entry: entry.get("finished", False)
-  same = {"setup": {"steps": 3}, "workers": "w"}
-  assert results_md.reusable_seeds(path, same, finished) == {0: seeds[0], 1: seeds[2]}
-  assert results_md.reusable_seeds(path, {**same, "setup": {"steps": 4}}, finished) == {}
-  assert "another setup:" in capsys.readouterr().err
-  assert results_md.reusable_seeds(path, {"setup": {"steps": 5}, "workers": "v"}, finished) == {}
+  assert results_md.resume_seeds(saved, [1, 0], path, ("setup",), finished) == [1, 0]  # Nothing saved yet.
+  assert saved["seeds"] == [fresh(0), fresh(1)]
+  seeds = [{"seed": 0, "finished": True, "arms": {"a": 1}}, {"seed": 2, "arms": {}}, {"seed": 3, "finished": True}]
+  results_md.save_results({**saved, "seeds": seeds}, path)
+  assert results_md.resume_seeds(saved, [0, 1, 2], path, ("setup", "workers"), finished) == [1, 2]
+  assert saved["seeds"] == [seeds[0], fresh(1), fresh(2), seeds[2]]  # Finished seeds stay, asked for or not.
+  assert "seeds [0, 3]: finished" in capsys.readouterr().out
+  other = {**saved, "setup": {"steps": 4}, "workers": "v"}
+  assert results_md.resume_seeds(other, [0, 1], path, ("setup",), finished) == [0, 1]
+  assert other["seeds"] == [fresh(0), fresh(1)] and "another setup:" in capsys.readouterr().err
+  assert results_md.resume_seeds(other, [0], path, ("setup", "workers"), finished) == [0]
   assert "another setup and workers:" in capsys.readouterr().err
 
 
