@@ -89,7 +89,7 @@ def get_config(variant: str = "cpu") -> config_dict.ConfigDict:
   c.task.min_steps = 2  # Operations per problem.
   c.task.max_steps = 3
   c.task.workers = "models"  # "models" (trained worker models in workers_dir) or "programmatic".
-  c.task.workers_dir = ""  # Where experiments.reproduce_lemon trains the worker models ("" = <workdir>/workers).
+  c.task.workers_dir = ""  # Trained worker models; experiments.reproduce_lemon sets its --workers_dir.
   c.task.worker_models = config_dict.ConfigDict(WORKER_MODELS)
   c.task.worker_training = config_dict.ConfigDict({
       "num_demos": 60_000,  # Worker demonstrations (agent prompt -> what a perfect worker answers).

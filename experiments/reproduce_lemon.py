@@ -6,9 +6,11 @@ r"""LEMON over seeds: SFT only, global GRPO, LEMON, LEMON without each edit fami
         --results_file=/tmp/lemon_tiny/results.json                                              # smoke run
 
 Workers (``task.workers="models"``, the ``cpu`` variant): the three worker models are trained ONCE, by SFT on
-worker demonstrations (``lemon_rl.envs.word_problems.worker_demonstrations``), into ``<workdir>/workers``
-(``--workers_dir`` to share them between runs) and their skills are measured on held-out demonstrations;
-they are part of the environment, the same for every arm and seed. The ``tiny`` and ``pilot`` variants use
+worker demonstrations (``lemon_rl.envs.word_problems.worker_demonstrations``), into ``WORKERS_DIR`` (committed
+with the results: about 9 MB of float32 parameters; ``--workers_dir`` elsewhere) and their skills are measured on
+held-out demonstrations; they are part of the environment, the same for every arm and seed. The experiment spans
+sessions and machines, and training the workers costs several CPU-hours: committing them is what keeps every seed
+on the same workers (a rerun with other workers reuses no seed). The ``tiny`` and ``pilot`` variants use
 the programmatic workers instead.
 
 Per seed (``configs/lemon_orchestration.py:<variant>_<arm>``): the ``sft_only`` arm runs the orchestrator's
@@ -48,7 +50,8 @@ flags.DEFINE_string("seeds", "0,1,2,3,4", "Comma-separated seeds.")
 flags.DEFINE_string("variant", "cpu", "Config size: cpu (worker models), pilot or tiny (programmatic workers).")
 flags.DEFINE_string("arms", ",".join(report.ARMS), "Comma-separated arms (sft_only always runs first).")
 flags.DEFINE_integer("workers", 1, "Runs at a time, each in its own process (every seed's SFT, then the RL arms).")
-flags.DEFINE_string("workers_dir", "", "Trained worker models ('' = <workdir>/workers).")
+WORKERS_DIR = os.path.join(os.path.dirname(report.RESULTS_FILE), "workers")
+flags.DEFINE_string("workers_dir", WORKERS_DIR, "Trained worker models (absolute, or relative to the repository).")
 flags.DEFINE_bool("train_workers_only", False, "Train (or re-score) the worker models and stop.")
 flags.DEFINE_integer("step0_examples", 100, "Validation problems of the step-0 check (G specs each).")
 flags.DEFINE_string("results_file", report.RESULTS_FILE,
@@ -151,7 +154,7 @@ def main(argv):
   if unknown:
     raise app.UsageError(f"unknown arms {sorted(unknown)}; known: {report.ARMS}")
   base = lemon_orchestration.get_config(FLAGS.variant)
-  workers_dir = FLAGS.workers_dir or os.path.join(FLAGS.workdir, "workers")
+  workers_dir = os.path.join(results_md.ROOT, FLAGS.workers_dir)  # An absolute path stays as it is.
   saved = {"command": "python -m experiments.reproduce_lemon " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
            "machine": machine.description(), "family_alpha": FLAGS.family_alpha,
            "setup": setup_facts(base), "workers": None, "seeds": [], "done": False}
