@@ -22,9 +22,11 @@ Runs live in ``<workdir>/seed_<s>/<arm>``; every run resumes, and a finished arm
 
 The results go to ``experiments/results/budgetmix/results.json`` (committed) after the base runs, as soon as a
 seed's last arm is done (the seed is then ``finished``) and at the end, when ``experiments/RESULTS.md`` is
-regenerated (section :mod:`experiments.reports.budgetmix`). A rerun with the same setup reuses the finished seeds
-of the results file and runs only the others: a run longer than a session goes on from its committed results,
-on whichever machine (each seed records its own).
+regenerated (section :mod:`experiments.reports.budgetmix`). Every finished arm's ``final_eval.json`` and step
+tables also go to ``arms/`` beside the results file (:mod:`experiments.arm_store`, committed, about 25 kB an arm),
+and a rerun restores them first: a run longer than a session goes on in the next one, on whichever machine (each
+arm records its own). A seed whose remaining RL arms need the base's SFT checkpoint, which is not stored, re-runs
+that SFT and checks that it evaluates exactly as the stored base run did.
 
 Sizing loop: ``--headroom_only --arms=base --seeds=0 [--config.multiturn_sft.steps=...]`` runs only the base SFT
 and the gate and prints its statistics. Pilot (2026-12-01, this 2-core CPU while another experiment kept it at a
@@ -55,6 +57,7 @@ from absl import flags
 import numpy as np
 from ml_collections import config_flags
 
+from experiments import arm_store
 from experiments import machine
 from experiments import results_md
 from experiments.reports import budgetmix as report
@@ -144,7 +147,7 @@ def final_evaluation(model, task, config, workdir: str) -> dict[str, Any]:
   for split in config.final_eval.splits:
     result = budget_eval.evaluate_budgets(model, task.tokenizer, split_maps(task, split), settings)
     out[split] = evaluation_record(result)
-    np.savez(os.path.join(workdir, f"steps_{split}.npz"), **result.full.steps()._asdict())
+    np.savez_compressed(os.path.join(workdir, f"steps_{split}.npz"), **result.full.steps()._asdict())
   return out
 
 
@@ -189,6 +192,12 @@ class GateFailed(Exception):
   pass
 
 
+def eval_records(workdir: str) -> list[dict[str, Any]]:
+  """The run's held-out evaluations along the way (phase, step, success per budget, accuracy)."""
+  return [{k: r[k] for k in r if k == "phase" or k == "step" or k.startswith("success_") or k == "accuracy"}
+          for r in read_records(os.path.join(workdir, "metrics.jsonl")) if r["phase"].startswith("eval_")]
+
+
 def run_arm(config, workdir: str, gate: bool, headroom_only: bool = False) -> dict[str, Any]:
   """Runs (or resumes) an arm and evaluates it; re-reads ``final_eval.json`` of a finished one. With ``gate`` the
   headroom gate runs first (a failure returns ``{"headroom", "stopped"}``); ``headroom_only`` stops after it."""
@@ -225,9 +234,7 @@ def run_arm(config, workdir: str, gate: bool, headroom_only: bool = False) -> di
                 phase_wall_s=summary["wall_time_s"])
   records = read_records(os.path.join(workdir, "metrics.jsonl"))
   record.update({
-      "final": summary["final_eval"],
-      "evals": [{k: r[k] for k in r if k == "phase" or k == "step" or k.startswith("success_") or k == "accuracy"}
-                for r in records if r["phase"].startswith("eval_")],
+      "final": summary["final_eval"], "machine": machine.description(), "evals": eval_records(workdir),
       "train": [{k: r.get(k) for k in ("step", "episode/success_rate", "episode/reward_mean", "budget/mean",
                                          "episode/turns_mean")} for r in records if r["phase"] == "multiturn_rl"],
       "wall_s": time.time() - t0, "user_s": usage1.ru_utime - usage0.ru_utime,
@@ -237,7 +244,7 @@ def run_arm(config, workdir: str, gate: bool, headroom_only: bool = False) -> di
   return record
 
 
-def setup_record(config, arms: Sequence[str]) -> dict[str, Any]:
+def setup_record(config) -> dict[str, Any]:
   task_cfg, f, rl = config.task, config.final_eval, config.multiturn_rl
   maps = flt.split_maps(task_cfg)
   return {"num_sft": task_cfg.num_sft, "num_train_maps": task_cfg.num_train, "sizes": list(task_cfg.sizes),
@@ -245,8 +252,7 @@ def setup_record(config, arms: Sequence[str]) -> dict[str, Any]:
           "rl_steps": rl.steps, "maps_per_step": rl.maps_per_step, "group_size": rl.group_size,
           "learning_rate": rl.learning_rate, "model": dict(config.model.overrides), "splits": list(f.splits),
           "num_maps": {s: len(maps[s]) for s in f.splits}, "num_samples": f.num_samples, "max_k": f.max_k,
-          "fractions": list(f.fractions), "recovery_fraction": f.recovery_fraction, "temperature": f.temperature,
-          "arms": list(arms)}
+          "fractions": list(f.fractions), "recovery_fraction": f.recovery_fraction, "temperature": f.temperature}
 
 
 def arm_dir(seed: int, arm: str) -> str:
@@ -254,13 +260,15 @@ def arm_dir(seed: int, arm: str) -> str:
 
 
 def finish_seed(entry: dict[str, Any], arms: Sequence[str], splits: Sequence[str]) -> bool:
-  """Once every arm of the seed is evaluated: step quality on the states every arm visited, and ``finished``."""
+  """Once every arm of the seed is evaluated: step quality on the states every arm visited, the machines the arms
+  ran on, and ``finished``."""
   if entry.get("finished") or any(arm not in entry["arms"] for arm in arms):
     return False
   for split in splits:
     for arm, q in matched_quality({arm: arm_dir(entry["seed"], arm) for arm in arms}, split).items():
       entry["arms"][arm]["final"][split]["matched_quality"] = {"full": q}
   entry["arms"] = {arm: entry["arms"][arm] for arm in arms}  # In the table's order, whatever finished first.
+  entry["machine"] = "; ".join(sorted({r.get("machine", machine.description()) for r in entry["arms"].values()}))
   entry["finished"] = True
   return True
 
@@ -274,16 +282,20 @@ def main(argv):
     raise app.UsageError("--arms must start with base (the shared SFT and the headroom gate)")
   for arm in arms:
     arm_config(config, arm, 0)  # Validates the names before anything runs.
-  setup = setup_record(config, arms)
+  setup = setup_record(config)
   saved = {"command": "python -m experiments.reproduce_budgetmix " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-           "machine": machine.description(), "family_alpha": FLAGS.family_alpha, "setup": setup, "arms": arms}
-  todo = results_md.resume_seeds(saved, seeds, FLAGS.results_file, ("setup",),  # The sizing loop reuses nothing.
-                                 lambda entry: entry.get("finished", False) and not FLAGS.headroom_only)
+           "machine": machine.description(), "family_alpha": FLAGS.family_alpha, "setup": setup, "arms": arms,
+           "seeds": [{"seed": s, "arms": {}} for s in seeds]}
   entries = {entry["seed"]: entry for entry in saved["seeds"]}
+  store_dir = os.path.join(os.path.dirname(results_md.absolute(FLAGS.results_file)), "arms")
+  files = ["final_eval.json", *[f"steps_{split}.npz" for split in config.final_eval.splits]]
+  if not FLAGS.headroom_only:
+    restored = arm_store.restore(store_dir, setup, [(s, arm) for s in seeds for arm in arms], arm_dir, files)
+    print(f"{len(restored)} finished arms restored from {store_dir}", flush=True)
 
   bases = machine.run_parallel(run_arm, [(arm_config(config, "base", s), arm_dir(s, "base"), True,
-                                          FLAGS.headroom_only) for s in todo], FLAGS.workers)
-  for s, record in zip(todo, bases):
+                                          FLAGS.headroom_only) for s in seeds], FLAGS.workers)
+  for s, record in zip(seeds, bases):
     entries[s]["headroom"] = record.pop("headroom")
     if FLAGS.headroom_only:
       timing = {k: record.get(k) for k in ("wall_s", "user_s", "phase_wall_s")}
@@ -291,28 +303,34 @@ def main(argv):
                                       "passed": entries[s]["headroom"]["passed"], **timing}))
   if FLAGS.headroom_only:
     return
-  stopped = [f"seed {s}: {record['stopped']}" for s, record in zip(todo, bases) if "stopped" in record]
+  stopped = [f"seed {s}: {record['stopped']}" for s, record in zip(seeds, bases) if "stopped" in record]
   if stopped:
     saved["stopped"] = " ".join(stopped)
     results_md.save_results(saved, FLAGS.results_file)
     sys.exit(saved["stopped"])
-  for s, record in zip(todo, bases):
+  for s, record in zip(seeds, bases):
+    arm_store.store(store_dir, s, "base", arm_dir(s, "base"), files)
     entries[s]["arms"]["base"] = record
     finish_seed(entries[s], arms, config.final_eval.splits)
   results_md.save_results(saved, FLAGS.results_file)
 
-  runs = [(s, arm) for s in todo for arm in arms[1:]]
-  for s, arm in runs:
+  runs = [(s, arm) for s in seeds for arm in arms[1:]]
+  pending = [(s, arm) for s, arm in runs if not os.path.exists(os.path.join(arm_dir(s, arm), "final_eval.json"))]
+  no_sft = sorted({s for s, _ in pending if not os.path.isdir(os.path.join(arm_dir(s, "base"), "checkpoints"))})
+  machine.run_parallel(arm_store.recreate, [(arm_config(config, "base", s), arm_dir(s, "base"), eval_records,
+                                             entries[s]["arms"]["base"]["evals"]) for s in no_sft], FLAGS.workers)
+  for s, arm in pending:
     experiment.start_from(arm_dir(s, "base"), arm_dir(s, arm), "multiturn_sft")
 
-  def save_finished_seed(i: int, record: dict[str, Any]):
+  def store_arm(i: int, record: dict[str, Any]):
     seed, arm = runs[i]
+    arm_store.store(store_dir, seed, arm, arm_dir(seed, arm), files)  # A stopped run goes on from here.
     entries[seed]["arms"][arm] = record
     if finish_seed(entries[seed], arms, config.final_eval.splits):
-      results_md.save_results(saved, FLAGS.results_file)  # A stopped run goes on from here.
+      results_md.save_results(saved, FLAGS.results_file)
 
   machine.run_parallel(run_arm, [(arm_config(config, arm, s), arm_dir(s, arm), False) for s, arm in runs],
-                       FLAGS.workers, on_result=save_finished_seed)
+                       FLAGS.workers, on_result=store_arm)
   print(results_md.write_results(saved, FLAGS.results_file, report))
 
 

@@ -22,9 +22,11 @@ that SFT checkpoint; ``no_sft`` runs LEMON from a random orchestrator. Every see
 first, then every (seed, RL arm) run; ``--workers=N`` runs N of them at a time, each in its own process. Runs
 resume; a finished one is re-read from its ``arm.json``. Results go to ``experiments/results/lemon/results.json``
 (after the SFT runs, as soon as a seed's last arm is done, and at the end) and the section of
-``experiments/RESULTS.md`` is regenerated when the results file is the committed one. A rerun with the same setup
-and worker models reuses the seeds of the results file that have every arm, and runs only the others: a run
-longer than a session goes on from its committed results (each seed records its machine).
+``experiments/RESULTS.md`` is regenerated when the results file is the committed one. Every finished arm's
+``arm.json`` also goes to ``arms/`` beside the results file (:mod:`experiments.arm_store`, committed), and a rerun
+with the same setup and worker models restores them first: a run longer than a session goes on in the next one,
+on whichever machine (each arm records its own). A seed whose remaining RL arms need the ``sft_only`` checkpoint,
+which is not stored, re-runs that SFT and checks that it evaluates exactly as the stored run did.
 """
 
 import json
@@ -36,6 +38,7 @@ from absl import app
 from absl import flags
 
 from configs import lemon_orchestration
+from experiments import arm_store
 from experiments import machine
 from experiments import results_md
 from experiments.reports import lemon as report
@@ -89,16 +92,20 @@ def arm_record(workdir: str, config, timing: dict) -> dict:
   records = read_records(os.path.join(workdir, "metrics.jsonl"))
   rl = [r for r in records if r["phase"] == "rl"]
   curves = {k: [[r["step"], r.get(k)] for r in rl] for k in ARM_CURVES}
-  evals = [[r["phase"].removeprefix("eval_"), r["step"], r["accuracy"], r.get("worker_tokens")]
-           for r in records if r["phase"].startswith("eval_")]
   families = {}
   for f in lemon_orchestration.EDIT_FAMILIES:
     mean = lambda k: _nanmean([r.get(f"lemon/{f}/{k}") for r in rl])
     families[f] = {"edits": _nansum([r.get(f"lemon/{f}/edits") for r in rl]), "abs_dc": mean("abs_dc"),
                    "changed_share": mean("changed_share"), "success_changed_share": mean("success_changed_share"),
                    "final_prob": rl[-1].get(f"lemon/{f}/prob") if rl else None}
-  return {"final": final_eval(workdir, config), "curves": curves, "evals": evals, "families": families,
-          **timing}
+  return {"final": final_eval(workdir, config), "curves": curves, "evals": eval_records(workdir),
+          "families": families, "machine": machine.description(), **timing}
+
+
+def eval_records(workdir: str) -> list[list]:
+  """The run's held-out evaluations along the way: ``[phase, step, accuracy, worker tokens]``."""
+  return [[r["phase"].removeprefix("eval_"), r["step"], r["accuracy"], r.get("worker_tokens")]
+          for r in read_records(os.path.join(workdir, "metrics.jsonl")) if r["phase"].startswith("eval_")]
 
 
 def _nanmean(xs):
@@ -176,28 +183,39 @@ def main(argv):
     report.plot(saved, os.path.join(os.path.dirname(path), "curves.png"))
 
   all_arms = ["sft_only", *[arm for arm in arms if arm != "sft_only"]]
-  finished = lambda entry: all(arm in entry["arms"] for arm in all_arms)
-  todo = results_md.resume_seeds(saved, seeds, FLAGS.results_file, ("setup", "workers"), finished)
+  saved["seeds"] = [{"seed": s, "arms": {}} for s in seeds]
   entries = {entry["seed"]: entry for entry in saved["seeds"]}
-  sft_runs = [(config_of("sft_only", s), arm_dir(s, "sft_only"), FLAGS.step0_examples) for s in todo]
-  for s, record in zip(todo, machine.run_parallel(run_arm, sft_runs, FLAGS.workers)):
+  store_dir = os.path.join(os.path.dirname(results_md.absolute(FLAGS.results_file)), "arms")
+  restored = arm_store.restore(store_dir, {"setup": saved["setup"], "workers": saved["workers"]},
+                               [(s, arm) for s in seeds for arm in all_arms], arm_dir, ["arm.json"])
+  print(f"{len(restored)} finished arms restored from {store_dir}", flush=True)
+  sft_runs = [(config_of("sft_only", s), arm_dir(s, "sft_only"), FLAGS.step0_examples) for s in seeds]
+  for s, record in zip(seeds, machine.run_parallel(run_arm, sft_runs, FLAGS.workers)):
+    arm_store.store(store_dir, s, "sft_only", arm_dir(s, "sft_only"), ["arm.json"])
     entries[s]["step0"] = record.pop("step0")
     entries[s]["arms"]["sft_only"] = record
   save()
-  runs = [(s, arm) for s in todo for arm in arms if arm != "sft_only"]
-  for s, arm in runs:
-    if config_of(arm, s).sft.steps:
-      experiment.start_from(arm_dir(s, "sft_only"), arm_dir(s, arm), "sft")
+  runs = [(s, arm) for s in seeds for arm in all_arms[1:]]
+  pending = [(s, arm) for s, arm in runs if config_of(arm, s).sft.steps
+             and not os.path.exists(os.path.join(arm_dir(s, arm), "arm.json"))]
+  no_sft = sorted({s for s, _ in pending if not os.path.isdir(os.path.join(arm_dir(s, "sft_only"), "checkpoints"))})
+  machine.run_parallel(arm_store.recreate, [(config_of("sft_only", s), arm_dir(s, "sft_only"), eval_records,
+                                             entries[s]["arms"]["sft_only"]["evals"]) for s in no_sft], FLAGS.workers)
+  for s, arm in pending:
+    experiment.start_from(arm_dir(s, "sft_only"), arm_dir(s, arm), "sft")
 
-  def save_finished_seed(i: int, record: dict):
+  def store_arm(i: int, record: dict):
     seed, arm = runs[i]
+    arm_store.store(store_dir, seed, arm, arm_dir(seed, arm), ["arm.json"])  # A stopped run goes on from here.
     entries[seed]["arms"][arm] = record
-    if finished(entries[seed]):
-      entries[seed]["arms"] = {arm: entries[seed]["arms"][arm] for arm in all_arms}  # Whatever finished first.
-      save()  # A stopped run goes on from here.
+    if all(a in entries[seed]["arms"] for a in all_arms):
+      entries[seed]["arms"] = {a: entries[seed]["arms"][a] for a in all_arms}  # Whatever finished first.
+      entries[seed]["machine"] = "; ".join(sorted({r.get("machine", saved["machine"])
+                                                  for r in entries[seed]["arms"].values()}))
+      save()
 
   machine.run_parallel(run_arm, [(config_of(arm, s), arm_dir(s, arm)) for s, arm in runs], FLAGS.workers,
-                       on_result=save_finished_seed)
+                       on_result=store_arm)
   saved["done"] = True
   save()
   print(results_md.publish(saved, FLAGS.results_file, report))

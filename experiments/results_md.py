@@ -20,7 +20,7 @@ import importlib
 import json
 import os
 import sys
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 EXPERIMENTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(EXPERIMENTS)
@@ -65,44 +65,18 @@ def render_all(modules: Sequence[str] = REPORTS) -> str:
   return HEADER + "".join("\n" + render_section(m) for m in modules)
 
 
-def _absolute(results_file: str) -> str:
+def absolute(results_file: str) -> str:
   return os.path.abspath(results_file if os.path.isabs(results_file) else os.path.join(ROOT, results_file))
 
 
 def save_results(saved, results_file: str) -> str:
   """Writes a reproduction's ``saved`` results as JSON to ``results_file`` (absolute, or relative to the
   repository), after every unit of work for long runs; returns the absolute path."""
-  path = _absolute(results_file)
+  path = absolute(results_file)
   os.makedirs(os.path.dirname(path), exist_ok=True)
   with open(path, "w") as f:
     json.dump(saved, f, indent=1)
   return path
-
-
-def resume_seeds(saved: dict[str, Any], seeds: Sequence[int], results_file: str, same: Sequence[str],
-                 finished: Callable[[dict], bool]) -> list[int]:
-  """Fills ``saved["seeds"]`` (sorted by seed) and returns the seeds still to run.
-
-  A seed entry of the results already at ``results_file`` that ``finished(entry)`` accepts is reused whole when
-  that file holds the same values as ``saved`` under every key of ``same`` (e.g. ``("setup",)``): a reproduction
-  longer than a session goes on from its committed results, seed by seed. Every other seed of ``seeds`` gets a
-  fresh entry ``{"seed", "machine", "arms": {}}``. Another setup reuses nothing (and says so).
-  """
-  path = _absolute(results_file)
-  reused = {}
-  if os.path.exists(path):
-    with open(path) as f:
-      previous = json.load(f)
-    differing = [key for key in same if previous.get(key) != saved[key]]
-    if differing:
-      print(f"{path} was saved with another {' and '.join(differing)}: none of its seeds is reused", file=sys.stderr)
-    else:
-      reused = {entry["seed"]: entry for entry in previous.get("seeds", []) if finished(entry)}
-  if reused:
-    print(f"seeds {sorted(reused)}: finished in {results_file}, reused", flush=True)
-  entries = {s: reused.get(s) or {"seed": s, "machine": saved["machine"], "arms": {}} for s in {*seeds, *reused}}
-  saved["seeds"] = [entries[s] for s in sorted(entries)]
-  return [s for s in seeds if s not in reused]
 
 
 def where_seeds_ran(saved: Mapping[str, Any]) -> str:
@@ -117,7 +91,7 @@ def where_seeds_ran(saved: Mapping[str, Any]) -> str:
 
 def is_committed(results_file: str, report) -> bool:
   """Whether ``results_file`` is ``report.RESULTS_FILE`` (a scratch file regenerates nothing)."""
-  return _absolute(results_file) == _absolute(report.RESULTS_FILE)
+  return absolute(results_file) == absolute(report.RESULTS_FILE)
 
 
 def publish(saved, results_file: str, report) -> str:

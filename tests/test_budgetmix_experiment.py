@@ -5,6 +5,7 @@ and the report's verdicts."""
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -167,7 +168,7 @@ def _reproduce(workdir, results_file, *flags_):
                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
 
 
-def test_tiny_reproduction_runs_every_seed_and_arm_in_parallel_and_reuses_finished_arms_and_seeds(tmp_path):
+def test_tiny_reproduction_runs_in_parallel_reads_finished_arms_back_and_goes_on_from_stored_arms(tmp_path):
   workdir, results_file = str(tmp_path / "runs"), str(tmp_path / "results.json")
   arms = ["base", "grpo_full", "grpo_budgetmix"]
   proc = _reproduce(workdir, results_file, "--seeds=0,1", f"--arms={','.join(arms)}", "--workers=2")
@@ -185,19 +186,40 @@ def test_tiny_reproduction_runs_every_seed_and_arm_in_parallel_and_reuses_finish
   finished = {os.path.join(workdir, f"seed_{s}", arm, "final_eval.json") for s in (0, 1) for arm in arms}
   stamps = {path: os.path.getmtime(path) for path in finished}
   # Rerun into another results file, one process: every arm is read back from the workdir (no run, no evaluation).
-  reread_file = str(tmp_path / "reread.json")
+  reread_file = str(tmp_path / "reread" / "results.json")
   proc = _reproduce(workdir, reread_file, "--seeds=0,1", f"--arms={','.join(arms)}")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert {path: os.path.getmtime(path) for path in finished} == stamps
-  with open(reread_file) as f:
-    assert {**json.load(f), "command": None} == {**saved, "command": None}
-  assert "Claimed directions on `test`" in proc.stdout
-  # Rerun on another machine (an empty workdir) into the first results file: its finished seeds are reused whole.
+  same = lambda path: {**json.load(open(path)), "command": None} == {**saved, "command": None}
+  assert same(reread_file) and "Claimed directions on `test`" in proc.stdout
+  # On another machine (an empty workdir), the arms stored beside the results file are restored: nothing runs.
+  store = tmp_path / "arms"
   proc = _reproduce(str(tmp_path / "elsewhere"), results_file, "--seeds=0,1", f"--arms={','.join(arms)}")
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "seeds [0, 1]: finished" in proc.stdout and not os.path.exists(tmp_path / "elsewhere" / "seed_0")
-  with open(results_file) as f:
-    assert {**json.load(f), "command": None} == {**saved, "command": None}
+  assert "6 finished arms restored" in proc.stdout and same(results_file)
+  assert not os.path.exists(tmp_path / "elsewhere" / "seed_0" / "base" / "checkpoints")
+  # One RL arm missing from the store: its seed's SFT is re-run (and checked against the stored base run's
+  # evaluations), and the arm runs again from it, to the same final evaluation.
+  shutil.rmtree(store / "seed_1" / "grpo_budgetmix")
+  proc = _reproduce(str(tmp_path / "partial"), str(tmp_path / "partial.json"), "--seeds=0,1",
+                    f"--arms={','.join(arms)}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "5 finished arms restored" in proc.stdout
+  assert os.listdir(tmp_path / "partial" / "seed_1" / "base" / "checkpoints" / "multiturn_sft")
+  assert not os.path.exists(tmp_path / "partial" / "seed_0" / "base" / "checkpoints")
+  with open(tmp_path / "partial.json") as f:
+    rerun = json.load(f)["seeds"][1]["arms"]["grpo_budgetmix"]
+  assert rerun["final"] == saved["seeds"][1]["arms"]["grpo_budgetmix"]["final"]
+  # A stored base run that the re-run SFT does not reproduce: the arms stored from it are not trusted.
+  with open(store / "seed_0" / "base" / "final_eval.json") as f:
+    base = json.load(f)
+  base["evals"][-1]["accuracy"] += 0.5
+  with open(store / "seed_0" / "base" / "final_eval.json", "w") as f:
+    json.dump(base, f)
+  shutil.rmtree(store / "seed_0" / "grpo_full")
+  proc = _reproduce(str(tmp_path / "tampered"), str(tmp_path / "tampered.json"), "--seeds=0",
+                    f"--arms={','.join(arms)}")
+  assert proc.returncode != 0 and "re-run on this machine, it evaluates to" in proc.stderr
 
 
 def test_a_failed_gate_stops_the_reproduction_before_any_rl_run(tmp_path):

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -310,7 +311,7 @@ def _reproduce(workdir, results_file, *flags_):
                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
 
 
-def test_tiny_reproduction_runs_seeds_and_arms_in_parallel_and_reuses_finished_arms_and_seeds(tmp_path):
+def test_tiny_reproduction_runs_in_parallel_reads_finished_arms_back_and_goes_on_from_stored_arms(tmp_path):
   workdir, results_file = str(tmp_path / "runs"), str(tmp_path / "results.json")
   proc = _reproduce(workdir, results_file, "--workers=2")
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -336,12 +337,22 @@ def test_tiny_reproduction_runs_seeds_and_arms_in_parallel_and_reuses_finished_a
   with open(reread_file) as f:
     assert {**json.load(f), "command": None} == {**saved, "command": None}
   assert "LEMON - global GRPO, accuracy" in proc.stdout
-  # Rerun on another machine (an empty workdir) into the first results file: its finished seeds are reused whole.
+  # On another machine (an empty workdir), the arms stored beside the results file are restored: nothing runs.
   proc = _reproduce(str(tmp_path / "elsewhere"), results_file)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "seeds [0, 1]: finished" in proc.stdout and not os.path.exists(tmp_path / "elsewhere" / "seed_0")
+  assert "6 finished arms restored" in proc.stdout
+  assert not os.path.exists(tmp_path / "elsewhere" / "seed_0" / "sft_only" / "checkpoints")
   with open(results_file) as f:
     assert {**json.load(f), "command": None} == {**saved, "command": None}
+  # One RL arm missing from the store: its seed's SFT is re-run and checked against the stored one's evaluations,
+  # and the arm runs again from it, to the same final evaluation.
+  shutil.rmtree(tmp_path / "arms" / "seed_1" / "grpo")
+  proc = _reproduce(str(tmp_path / "partial"), str(tmp_path / "partial.json"))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "5 finished arms restored" in proc.stdout
+  assert os.listdir(tmp_path / "partial" / "seed_1" / "sft_only" / "checkpoints" / "sft")
+  with open(tmp_path / "partial.json") as f:
+    assert json.load(f)["seeds"][1]["arms"]["grpo"]["final"] == saved["seeds"][1]["arms"]["grpo"]["final"]
 
 
 def test_config_arms_and_checks():

@@ -26,25 +26,6 @@ def test_results_go_where_asked_and_only_the_committed_file_regenerates_results_
   assert results_md.is_committed(os.path.join(results_md.ROOT, committed), grpo_arithmetic)
 
 
-def test_a_longer_run_reuses_only_the_finished_seeds_saved_with_the_same_setup(tmp_path, capsys):
-  path = str(tmp_path / "results.json")
-  fresh = lambda seed: {"seed": seed, "machine": "here", "arms": {}}
-  saved = {"setup": {"steps": 3}, "workers": "w", "machine": "here"}
-  finished = lambda entry: entry.get("finished", False)
-  assert results_md.resume_seeds(saved, [1, 0], path, ("setup",), finished) == [1, 0]  # Nothing saved yet.
-  assert saved["seeds"] == [fresh(0), fresh(1)]
-  seeds = [{"seed": 0, "finished": True, "arms": {"a": 1}}, {"seed": 2, "arms": {}}, {"seed": 3, "finished": True}]
-  results_md.save_results({**saved, "seeds": seeds}, path)
-  assert results_md.resume_seeds(saved, [0, 1, 2], path, ("setup", "workers"), finished) == [1, 2]
-  assert saved["seeds"] == [seeds[0], fresh(1), fresh(2), seeds[2]]  # Finished seeds stay, asked for or not.
-  assert "seeds [0, 3]: finished" in capsys.readouterr().out
-  other = {**saved, "setup": {"steps": 4}, "workers": "v"}
-  assert results_md.resume_seeds(other, [0, 1], path, ("setup",), finished) == [0, 1]
-  assert other["seeds"] == [fresh(0), fresh(1)] and "another setup:" in capsys.readouterr().err
-  assert results_md.resume_seeds(other, [0], path, ("setup", "workers"), finished) == [0]
-  assert "another setup and workers:" in capsys.readouterr().err
-
-
 def _square(x, wait_for=None):
   """``x * x``, once ``wait_for`` exists (at most 120 s)."""
   deadline = time.time() + 120
