@@ -18,9 +18,15 @@ import os
 import shutil
 from typing import Any, Callable, Mapping, Sequence
 
+from experiments import results_md
 from lemon_rl.training import experiment
 
 SETUP = "setup.json"
+
+
+def beside(results_file: str) -> str:
+  """The store of a reproduction: ``arms/`` next to its results file."""
+  return os.path.join(os.path.dirname(results_md.absolute(results_file)), "arms")
 
 
 def _arm_dir(store_dir: str, seed: int, arm: str) -> str:

@@ -287,7 +287,7 @@ def main(argv):
            "machine": machine.description(), "family_alpha": FLAGS.family_alpha, "setup": setup, "arms": arms,
            "seeds": [{"seed": s, "arms": {}} for s in seeds]}
   entries = {entry["seed"]: entry for entry in saved["seeds"]}
-  store_dir = os.path.join(os.path.dirname(results_md.absolute(FLAGS.results_file)), "arms")
+  store_dir = arm_store.beside(FLAGS.results_file)
   files = ["final_eval.json", *[f"steps_{split}.npz" for split in config.final_eval.splits]]
   if not FLAGS.headroom_only:
     restored = arm_store.restore(store_dir, setup, [(s, arm) for s in seeds for arm in arms], arm_dir, files)

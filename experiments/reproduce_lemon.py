@@ -10,7 +10,7 @@ worker demonstrations (``lemon_rl.envs.word_problems.worker_demonstrations``), i
 with the results: about 9 MB of float32 parameters; ``--workers_dir`` elsewhere) and their skills are measured on
 held-out demonstrations; they are part of the environment, the same for every arm and seed. The experiment spans
 sessions and machines, and training the workers costs several CPU-hours: committing them is what keeps every seed
-on the same workers (a rerun with other workers reuses no seed). The ``tiny`` and ``pilot`` variants use
+on the same workers (arms stored with other workers are refused). The ``tiny`` and ``pilot`` variants use
 the programmatic workers instead.
 
 Per seed (``configs/lemon_orchestration.py:<variant>_<arm>``): the ``sft_only`` arm runs the orchestrator's
@@ -185,7 +185,7 @@ def main(argv):
   all_arms = ["sft_only", *[arm for arm in arms if arm != "sft_only"]]
   saved["seeds"] = [{"seed": s, "arms": {}} for s in seeds]
   entries = {entry["seed"]: entry for entry in saved["seeds"]}
-  store_dir = os.path.join(os.path.dirname(results_md.absolute(FLAGS.results_file)), "arms")
+  store_dir = arm_store.beside(FLAGS.results_file)
   restored = arm_store.restore(store_dir, {"setup": saved["setup"], "workers": saved["workers"]},
                                [(s, arm) for s in seeds for arm in all_arms], arm_dir, ["arm.json"])
   print(f"{len(restored)} finished arms restored from {store_dir}", flush=True)

@@ -176,7 +176,7 @@ def render(saved: Mapping[str, Any]) -> str:
   finished = [s["seed"] for s in seeds if s.get("finished")]
   if not set(PLANNED_SEEDS) <= set(finished):
     lines += [f"**In progress:** seeds finished {finished or 'none'} of the planned {list(PLANNED_SEEDS)}; the "
-              "section's command goes on from the committed results and runs only the other seeds.", ""]
+              "section's command goes on from the committed arms (`arms/` beside the results).", ""]
   lines += headroom_table(saved)
   if saved.get("stopped"):
     lines += ["", f"**Stopped:** {saved['stopped']}"]
