@@ -299,11 +299,24 @@ def test_report_verdicts_follow_the_intervals():
   assert len(_verdicts(report.render(saved))) == 4 and "over these 4 directions" in report.render(saved)
 
 
+def test_report_of_a_run_in_progress_pairs_only_the_finished_seeds():
+  saved = _saved(gigpo_mix_25=0.15)
+  for entry in saved["seeds"][1:]:  # Seeds 1-4: the base run only, as after a session that stopped.
+    entry["arms"] = {"base": entry["arms"]["base"]}
+    del entry["finished"]
+  text = report.render(saved)
+  assert "**In progress:** seeds finished [0] of the planned [0, 1, 2, 3, 4]" in text
+  assert "| 4 | 0.400 | passed |" in text  # The gate of every seed that ran.
+  assert not re.search(r"\| base \(SFT\) \| 0\.\d{3} ± ", text)  # One seed: no interval, not 5 bases.
+  assert text.count("| not distinguishable (fewer than 2 seeds) |") == 8
+
+
 def test_report_of_a_run_stopped_by_the_headroom_gate():
   saved = _saved(gigpo_mix_25=0.45)
   saved["seeds"] = saved["seeds"][:1]
   saved["seeds"][0]["headroom"]["passed"] = False
   saved["seeds"][0]["arms"] = {}
+  del saved["seeds"][0]["finished"]
   saved["stopped"] = "seed 0: step-0 headroom gate failed: pass_at_8_25 = 0 (needs >= 0.05): FAILED"
   text = report.render(saved)
   assert "**Stopped:** seed 0: step-0 headroom gate failed" in text and "| 0 | 0.400 | FAILED |" in text

@@ -176,11 +176,13 @@ def render(saved: Mapping[str, Any]) -> str:
   finished = [s["seed"] for s in seeds if s.get("finished")]
   if not set(PLANNED_SEEDS) <= set(finished):
     lines += [f"**In progress:** seeds finished {finished or 'none'} of the planned {list(PLANNED_SEEDS)}; the "
-              "section's command goes on from the committed arms (`arms/` beside the results).", ""]
+              "tables below hold the finished seeds only. The section's command goes on from the committed arms "
+              "(`arms/` beside the results).", ""]
   lines += headroom_table(saved)
   if saved.get("stopped"):
     lines += ["", f"**Stopped:** {saved['stopped']}"]
-  if not any(s.get("arms") for s in seeds):
+  seeds = [s for s in seeds if s.get("finished")]  # Every table pairs the same seeds: those with every arm.
+  if not seeds:
     return "\n".join(lines)
   for split in setup["splits"]:
     maps = setup["num_maps"].get(split, "?")
