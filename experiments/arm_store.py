@@ -8,7 +8,8 @@ Before it runs anything, a reproduction copies the stored files of each (seed, a
 directory (:func:`restore`), so the run reads them back as finished; it stores an arm's files as soon as the arm
 is done (:func:`store`). A store written with another setup is an error naming the differing fields: the arms
 of two setups never mix. Checkpoints are not stored: an arm that starts from a stored run's checkpoint gets it
-re-created by :func:`recreate`, which checks that the re-run evaluates exactly as the stored one did.
+re-created by :func:`recreate` (through :func:`start_arms`), which checks that the re-run evaluates exactly as
+the stored one did.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 import shutil
 from typing import Any, Callable, Mapping, Sequence
 
+from experiments import machine
 from experiments import results_md
 from lemon_rl.training import experiment
 
@@ -70,9 +72,12 @@ def restore(store_dir: str, setup: Mapping[str, Any], runs: Sequence[tuple[int, 
 
 
 def store(store_dir: str, seed: int, arm: str, run_dir: str, files: Sequence[str]) -> None:
-  """Copies the finished arm's ``files`` from its ``run_dir`` into the store (:func:`restore` takes an arm only
-with every file, so an interrupted copy is never taken for a stored arm)."""
+  """Copies the finished arm's ``files`` from its ``run_dir`` into the store, unless it is stored already (a
+restored arm is not copied back). :func:`restore` takes an arm only with every file, so an interrupted copy is
+never taken for a stored arm."""
   dst = _arm_dir(store_dir, seed, arm)
+  if all(os.path.exists(os.path.join(dst, name)) for name in files):
+    return
   os.makedirs(dst, exist_ok=True)
   for name in files:
     shutil.copyfile(os.path.join(run_dir, name), os.path.join(dst, name))
@@ -89,3 +94,16 @@ def recreate(config, workdir: str, evals_of: Callable[[str], Any], stored_evals:
     raise RuntimeError(f"{workdir}: re-run on this machine, it evaluates to {evals}; the stored run to "
                        f"{stored_evals}. The arms stored from it started from another policy: delete them from the "
                        "store and rerun them")
+
+
+def start_arms(starts: Sequence[tuple[Any, str, Any, str]], phase: str, evals_of: Callable[[str], Any],
+               workers: int) -> None:
+  """Starts each unfinished arm from a copy of its source run's ``phase`` checkpoints
+  (:func:`lemon_rl.training.experiment.start_from`). ``starts`` holds ``(source config, source dir, source's
+  stored evaluations, arm dir)``; a source without those checkpoints (restored from the store) is re-created
+  first, once, by :func:`recreate`, ``workers`` at a time."""
+  missing = {src: (config, src, evals_of, evals) for config, src, evals, _ in starts
+             if not os.path.isdir(os.path.join(src, "checkpoints", phase))}
+  machine.run_parallel(recreate, list(missing.values()), workers)
+  for _, src, _, dst in starts:
+    experiment.start_from(src, dst, phase)

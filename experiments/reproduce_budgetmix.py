@@ -315,12 +315,10 @@ def main(argv):
   results_md.save_results(saved, FLAGS.results_file)
 
   runs = [(s, arm) for s in seeds for arm in arms[1:]]
-  pending = [(s, arm) for s, arm in runs if not os.path.exists(os.path.join(arm_dir(s, arm), "final_eval.json"))]
-  no_sft = sorted({s for s, _ in pending if not os.path.isdir(os.path.join(arm_dir(s, "base"), "checkpoints"))})
-  machine.run_parallel(arm_store.recreate, [(arm_config(config, "base", s), arm_dir(s, "base"), eval_records,
-                                             entries[s]["arms"]["base"]["evals"]) for s in no_sft], FLAGS.workers)
-  for s, arm in pending:
-    experiment.start_from(arm_dir(s, "base"), arm_dir(s, arm), "multiturn_sft")
+  arm_store.start_arms([(arm_config(config, "base", s), arm_dir(s, "base"), entries[s]["arms"]["base"]["evals"],
+                         arm_dir(s, arm)) for s, arm in runs
+                        if not os.path.exists(os.path.join(arm_dir(s, arm), "final_eval.json"))],
+                       "multiturn_sft", eval_records, FLAGS.workers)
 
   def store_arm(i: int, record: dict[str, Any]):
     seed, arm = runs[i]

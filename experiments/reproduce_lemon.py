@@ -196,13 +196,10 @@ def main(argv):
     entries[s]["arms"]["sft_only"] = record
   save()
   runs = [(s, arm) for s in seeds for arm in all_arms[1:]]
-  pending = [(s, arm) for s, arm in runs if config_of(arm, s).sft.steps
-             and not os.path.exists(os.path.join(arm_dir(s, arm), "arm.json"))]
-  no_sft = sorted({s for s, _ in pending if not os.path.isdir(os.path.join(arm_dir(s, "sft_only"), "checkpoints"))})
-  machine.run_parallel(arm_store.recreate, [(config_of("sft_only", s), arm_dir(s, "sft_only"), eval_records,
-                                             entries[s]["arms"]["sft_only"]["evals"]) for s in no_sft], FLAGS.workers)
-  for s, arm in pending:
-    experiment.start_from(arm_dir(s, "sft_only"), arm_dir(s, arm), "sft")
+  unfinished = [(s, arm) for s, arm in runs if not os.path.exists(os.path.join(arm_dir(s, arm), "arm.json"))]
+  arm_store.start_arms([(config_of("sft_only", s), arm_dir(s, "sft_only"), entries[s]["arms"]["sft_only"]["evals"],
+                         arm_dir(s, arm)) for s, arm in unfinished if config_of(arm, s).sft.steps],
+                       "sft", eval_records, FLAGS.workers)
 
   def store_arm(i: int, record: dict):
     seed, arm = runs[i]
