@@ -94,7 +94,8 @@ def get_config(variant: str = "cpu") -> config_dict.ConfigDict:
   c.task.worker_training = config_dict.ConfigDict({
       "num_demos": 60_000,  # Worker demonstrations (agent prompt -> what a perfect worker answers).
       "num_eval": 1_000,  # Held-out demonstrations scoring each worker's skills.
-      "steps": 3_000, "batch_size": 128, "learning_rate": 2e-3, "warmup_steps": 100, "seed": 0})
+      "steps": 3_000, "batch_size": 128, "learning_rate": 2e-3, "warmup_steps": 100, "seed": 0,
+      "checkpoint_every": 100})  # Resumable across sessions: about 10 CPU-minutes of the large worker.
   # The orchestration reward (lemon_rl.training.lemon.RewardSettings; METHODS.md decision).
   c.task.reward = config_dict.ConfigDict({
       "lambda_tok": 0.5, "lambda_graph": 0.5,
@@ -145,9 +146,8 @@ def get_config(variant: str = "cpu") -> config_dict.ConfigDict:
   elif size == "tiny":
     c.task.workers = "programmatic"
     c.task.num_sft, c.task.num_train, c.task.num_validation, c.task.num_test = 128, 32, 8, 8
-    c.task.worker_training = config_dict.ConfigDict({
-        "num_demos": 64, "num_eval": 32, "steps": 2, "batch_size": 8, "learning_rate": 2e-3, "warmup_steps": 0,
-        "seed": 0})
+    c.task.worker_training.update({"num_demos": 64, "num_eval": 32, "steps": 2, "batch_size": 8, "warmup_steps": 0,
+                                   "checkpoint_every": 1})
     c.model.overrides = config_dict.ConfigDict({"hidden_size": 64, "num_layers": 1, "num_heads": 2,
                                                 "num_kv_heads": 1, "mlp_dim": 128})
     c.sft.steps, c.sft.batch_size, c.sft.eval_every, c.sft.warmup_steps = 4, 8, 0, 0

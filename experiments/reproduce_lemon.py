@@ -10,7 +10,9 @@ worker demonstrations (``lemon_rl.envs.word_problems.worker_demonstrations``), i
 with the results: about 9 MB of float32 parameters; ``--workers_dir`` elsewhere) and their skills are measured on
 held-out demonstrations; they are part of the environment, the same for every arm and seed. The experiment spans
 sessions and machines, and training the workers costs several CPU-hours: committing them is what keeps every seed
-on the same workers (arms stored with other workers are refused). The ``tiny`` and ``pilot`` variants use
+on the same workers (arms stored with other workers are refused). A worker in training checkpoints every
+``worker_training.checkpoint_every`` steps and on SIGTERM into ``WORKERS_DIR/<capacity>_training`` and the same
+command resumes it exactly: commit that directory to go on in another session. The ``tiny`` and ``pilot`` variants use
 the programmatic workers instead.
 
 Per seed (``configs/lemon_orchestration.py:<variant>_<arm>``): the ``sft_only`` arm runs the orchestrator's

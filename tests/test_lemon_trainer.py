@@ -11,6 +11,7 @@ import functools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -35,6 +36,7 @@ from lemon_rl.training import state as state_lib
 from lemon_rl.training.batches import build_sequences, pad_completions
 from lemon_rl.training.metrics import read_records
 from lemon_rl.training.rollout import Rollout
+from lemon_rl.training.sft import SFTTrainer
 
 SETTINGS = lemon.RewardSettings(lambda_tok=0.5, lambda_graph=0.25, token_budget=1000.0)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -402,26 +404,67 @@ def test_report_renders_directions_and_step0_from_saved_results():
   assert "| drop_edge |" in text and "passed on 3 of 3 seeds" in text
 
 
-def test_worker_training_reuses_saved_models_only_under_the_same_settings(tmp_path):
-  tok, out = ByteTokenizer(), str(tmp_path / "workers")
-  small = {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "mlp_dim": 32}
-  sizes = {c: small for c in ("small", "medium", "large")}
-  training = {"steps": 2, "batch_size": 4, "learning_rate": 1e-3, "warmup_steps": 0, "seed": 0}
+_TINY_WORKER = {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "mlp_dim": 32}
+_WORKER_SIZES = {c: _TINY_WORKER for c in ("small", "medium", "large")}
+
+
+def _train_tiny_workers(out: str, training: dict, sizes=None) -> dict:
   demos, eval_demos = wp.worker_demonstrations(0, 16, "workers"), wp.worker_demonstrations(0, 8, "workers_eval")
+  return lemon.train_worker_models(demos, eval_demos, sizes or _WORKER_SIZES, training, out, ByteTokenizer(),
+                                   prompt_len=wp.WORKER_PROMPT_LEN, max_new_tokens=4, log=lambda _: None)
 
-  def train(training, sizes):
-    return lemon.train_worker_models(demos, eval_demos, sizes, training, out, tok, prompt_len=wp.WORKER_PROMPT_LEN,
-                                     max_new_tokens=4, log=lambda _: None)
 
-  meta = train(training, sizes)
-  assert meta["training"] == training and set(meta["skills"]) == set(sizes) and set(meta["train_s"]) == set(sizes)
-  stamps = {c: os.path.getmtime(os.path.join(out, f"{c}.npz")) for c in sizes}
-  assert train(training, sizes)["training"] == training  # Same settings: loaded, not retrained.
-  assert {c: os.path.getmtime(os.path.join(out, f"{c}.npz")) for c in sizes} == stamps
+def test_worker_training_reuses_saved_models_only_under_the_same_settings(tmp_path):
+  out = str(tmp_path / "workers")
+  training = {"steps": 2, "batch_size": 4, "learning_rate": 1e-3, "warmup_steps": 0, "seed": 0}
+  run_settings = {**training, "checkpoint_every": 1}  # Not a setting of the models.
+  meta = _train_tiny_workers(out, run_settings)
+  assert meta["training"] == training and set(meta["skills"]) == set(meta["train_s"]) == set(_WORKER_SIZES)
+  assert sorted(os.listdir(out)) == ["large.npz", "large_training", "medium.npz", "medium_training", "small.npz",
+                                     "small_training", "workers.json"]
+  assert os.listdir(os.path.join(out, "small_training")) == ["metrics.jsonl"]  # Checkpoints go once saved.
+  stamps = {c: os.path.getmtime(os.path.join(out, f"{c}.npz")) for c in _WORKER_SIZES}
+  assert _train_tiny_workers(out, run_settings)["training"] == training  # Same settings: loaded, not retrained.
+  assert {c: os.path.getmtime(os.path.join(out, f"{c}.npz")) for c in _WORKER_SIZES} == stamps
   with pytest.raises(ValueError, match=r"training.steps: saved 2, requested 3"):
-    train({**training, "steps": 3}, sizes)
+    _train_tiny_workers(out, {**run_settings, "steps": 3})
   with pytest.raises(ValueError, match=r"sizes.large: saved"):
-    train(training, {**sizes, "large": {**small, "mlp_dim": 64}})
+    _train_tiny_workers(out, run_settings, {**_WORKER_SIZES, "large": {**_TINY_WORKER, "mlp_dim": 64}})
+
+
+def test_worker_training_stopped_by_sigterm_resumes_to_the_same_models(tmp_path, monkeypatch):
+  """A SIGTERM during the medium model's second step stops the training after a checkpoint of that step; the
+  rerun skips the small model, resumes the medium one and ends with the models of an uninterrupted run."""
+  training = {"steps": 4, "batch_size": 4, "learning_rate": 1e-3, "warmup_steps": 0, "seed": 0,
+              "checkpoint_every": 100}
+  straight, stopped = str(tmp_path / "straight"), str(tmp_path / "stopped")
+  _train_tiny_workers(straight, training)
+  real_step, calls = SFTTrainer.step, []
+
+  def step_then_sigterm(self, *args, **kwargs):
+    calls.append(1)
+    out = real_step(self, *args, **kwargs)
+    if len(calls) == training["steps"] + 2:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return out
+
+  monkeypatch.setattr(SFTTrainer, "step", step_then_sigterm)
+  with pytest.raises(experiment.Preempted, match="worker_medium: SIGTERM received; checkpoint saved at step 2"):
+    _train_tiny_workers(stopped, training)
+  assert sorted(f for f in os.listdir(stopped) if f.endswith(".npz")) == ["small.npz"]
+  assert os.path.isdir(os.path.join(stopped, "medium_training", "checkpoints", "worker_medium", "2"))
+  with pytest.raises(ValueError, match=r"sizes.medium: saved"):  # A model in training keeps its settings too.
+    _train_tiny_workers(stopped, training, {**_WORKER_SIZES, "medium": {**_TINY_WORKER, "mlp_dim": 64}})
+  monkeypatch.undo()
+  _train_tiny_workers(stopped, training)
+  steps = [r["step"] for r in read_records(os.path.join(stopped, "medium_training", "metrics.jsonl"))
+           if r["phase"] == "worker_medium"]
+  assert steps == [1, 2, 3, 4]
+  for cap in _WORKER_SIZES:
+    with np.load(os.path.join(straight, f"{cap}.npz")) as a, np.load(os.path.join(stopped, f"{cap}.npz")) as b:
+      assert a.files == b.files
+      for name in a.files:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=f"{cap} {name}")
 
 
 def test_worker_params_round_trip_and_skill_scores(tmp_path):

@@ -150,15 +150,18 @@ def _abstract(tree):
 
 
 class _PhaseRunner:
-  """The loop every phase shares: resume, step, log, evaluate, checkpoint, honour SIGTERM."""
+  """The loop every phase shares: resume, step, log, evaluate, checkpoint, honour SIGTERM.
 
-  def __init__(self, name: str, config, workdir: str, writer: MetricsWriter, sigterm: _SigtermFlag):
+  ``checkpoint`` has ``every`` (steps between checkpoints, plus the last step and on SIGTERM), ``max_to_keep``
+  and ``async_save`` (an experiment config's ``checkpoint`` section)."""
+
+  def __init__(self, name: str, checkpoint, workdir: str, writer: MetricsWriter, sigterm: _SigtermFlag):
     self.name = name
-    self.config = config
+    self.every = checkpoint.every
     self.writer = writer
     self.sigterm = sigterm
     self.ckpt = Checkpointer(os.path.join(workdir, "checkpoints", name),
-                             max_to_keep=config.checkpoint.max_to_keep, async_save=config.checkpoint.async_save)
+                             max_to_keep=checkpoint.max_to_keep, async_save=checkpoint.async_save)
 
   def run(self, phase: Phase):
     """Runs (or resumes) ``phase``; returns ``(final state, elapsed seconds)``."""
@@ -189,7 +192,7 @@ class _PhaseRunner:
                        for k in phase.progress_keys if isinstance(record.get(k), float)}, refresh=False)
       bar.update(1)
       stop = distributed.global_any(self.sigterm.raised)  # Preemption sync point: any process's SIGTERM.
-      if step % self.config.checkpoint.every == 0 or step == steps or stop:
+      if step % self.every == 0 or step == steps or stop:
         self.ckpt.save(step, state, {"data": iterator.get_state(), "phase_step": step, "elapsed_s": elapsed})
       if stop:
         self.ckpt.wait_until_finished()
@@ -210,6 +213,32 @@ class _PhaseRunner:
 
   def close(self):
     self.ckpt.close()
+
+
+def _run_phase(name: str, phase: Phase, checkpoint, workdir: str, writer: MetricsWriter,
+               sigterm: _SigtermFlag) -> float:
+  """Runs (or resumes) ``phase``, calls ``phase.finish`` on its final state; returns its elapsed seconds."""
+  runner = _PhaseRunner(name, checkpoint, workdir, writer, sigterm)
+  try:
+    state, elapsed = runner.run(phase)
+  finally:
+    runner.close()
+  phase.finish(state)
+  return elapsed
+
+
+def run_phase(name: str, phase: Phase, workdir: str, checkpoint) -> float:
+  """Runs (or resumes) one built ``phase`` on its own, as :func:`run` runs each of an experiment's phases:
+  checkpoints in ``workdir/checkpoints/<name>`` (``checkpoint``: ``every``, ``max_to_keep``, ``async_save``),
+  metrics in ``workdir/metrics.jsonl``, :class:`Preempted` after the checkpoint a SIGTERM asks for. For what
+  trains outside a policy experiment (e.g. LEMON's worker models). Returns the phase's elapsed seconds, summed
+  over resumes."""
+  writer = MetricsWriter(workdir, tensorboard=False)
+  try:
+    with _SigtermFlag() as sigterm:
+      return _run_phase(name, phase, checkpoint, workdir, writer, sigterm)
+  finally:
+    writer.close()
 
 
 def start_from(source_workdir: str, workdir: str, phase: str) -> bool:
@@ -257,10 +286,7 @@ def run(config, workdir: str, final_eval: Callable[[nnx.Module, Task], dict[str,
       if not config[name].steps:
         continue
       phase = PHASES.get(name)(PhaseContext(config, task, model, workdir, evaluate_policy))
-      runner = _PhaseRunner(name, config, workdir, writer, sigterm)
-      state, phase_times[name] = runner.run(phase)
-      runner.close()
-      phase.finish(state)
+      phase_times[name] = _run_phase(name, phase, config.checkpoint, workdir, writer, sigterm)
     final = final_eval(model, task) if final_eval is not None else None
   writer.close()
   summary = summarize(workdir, config, phase_times, final) if distributed.is_main() else None

@@ -41,6 +41,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import time
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
@@ -48,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from ml_collections import config_dict
 
 from lemon_rl.data.pipeline import BatchIterator
 from lemon_rl.envs.orchestration import executor as ex_lib
@@ -786,12 +788,17 @@ def train_worker_models(demos: Sequence[Mapping[str, Any]], eval_demos: Sequence
                         log: Callable[[str], None] = print) -> dict[str, Any]:
   """Trains one worker decoder per capacity by SFT on ``demos`` and saves it to ``out_dir/<capacity>.npz``.
 
-  ``training`` has ``steps``, ``batch_size``, ``learning_rate``, ``warmup_steps``, ``seed``. The same data
-  and steps for every size (*Decision*: the skill levels come from the sizes). Each model's skills are then
-  measured on ``eval_demos`` (greedy) and written, with the sizes and timings, to ``out_dir/workers.json``,
-  which is returned. Models already saved are not retrained; ``ValueError`` if they were trained with other
-  ``training`` settings or sizes (a stale directory is never reused silently).
+  ``training`` has ``steps``, ``batch_size``, ``learning_rate``, ``warmup_steps``, ``seed`` and
+  ``checkpoint_every``. The same data and steps for every size (*Decision*: the skill levels come from the
+  sizes). Each model trains as a phase of the shared runner (:func:`lemon_rl.training.experiment.run_phase`)
+  in ``out_dir/<capacity>_training``: it checkpoints every ``checkpoint_every`` steps and on SIGTERM, and a
+  rerun resumes it exactly, so a model longer than a session trains over several (its checkpoint directory
+  is deleted once the ``.npz`` is saved; its ``metrics.jsonl`` stays). Each model's skills are then measured
+  on ``eval_demos`` (greedy) and written, with the sizes and training seconds, to ``out_dir/workers.json``,
+  which is returned. Models already saved are not retrained; ``ValueError`` if they, or a model in training,
+  were started with other ``training`` settings or sizes (a stale directory is never reused silently).
   """
+  from lemon_rl.training import experiment  # pylint: disable=g-import-not-at-top  (experiment imports phases)
   from lemon_rl.training.sft import SFTTrainer  # pylint: disable=g-import-not-at-top
   os.makedirs(out_dir, exist_ok=True)
   meta_path = os.path.join(out_dir, WORKERS_META)
@@ -809,33 +816,39 @@ def train_worker_models(demos: Sequence[Mapping[str, Any]], eval_demos: Sequence
                      "use another directory or delete it")
   meta["training"] = requested
   steps, seed = int(requested["steps"]), int(requested["seed"])
+  checkpoint = {"every": int(training["checkpoint_every"]), "max_to_keep": 1, "async_save": True}
+
+  def write_meta():
+    with open(meta_path, "w") as f:
+      json.dump(meta, f, indent=1)
+
   workers = {}
   for cap in CAPACITIES:
     model = worker_model(sizes[cap], tokenizer.vocab_size, seed)
     path = os.path.join(out_dir, f"{cap}.npz")
-    meta["sizes"][cap] = dict(sizes[cap])
     if not os.path.exists(path):
-      t0 = time.time()
+      meta["sizes"][cap] = dict(sizes[cap])
+      write_meta()  # The settings of a model in training, before its first checkpoint.
       optimizer = state_lib.make_optimizer(float(requested["learning_rate"]), steps, int(requested["warmup_steps"]))
-      graphdef, st = state_lib.create_train_state(model, optimizer, seed)
+      graphdef, state = state_lib.create_train_state(model, optimizer, seed)
       trainer = SFTTrainer(graphdef, optimizer, tokenizer, max_new_tokens, None, prompt_len)
-      iterator = BatchIterator(list(demos), batch_size=int(requested["batch_size"]), seed=seed)
-      for step in range(1, steps + 1):
-        batch = next(iterator)
-        st, metrics, _ = trainer.step(st, [dict(zip(batch, v)) for v in zip(*batch.values())])
-        if step % max(1, steps // 10) == 0 or step == steps:
-          log(f"worker {cap}: step {step} nll {float(metrics['train/nll']):.4f}")
-      nnx.update(model, st.params)
+      phase = phases_lib.Phase(
+          state, BatchIterator(list(demos), batch_size=int(requested["batch_size"]), seed=seed),
+          step=lambda state, examples: trainer.step(state, examples)[:2], steps=steps, eval_every=0,
+          progress_keys=("train/nll",), evaluate=lambda state: {},
+          finish=lambda state: nnx.update(model, state.params))  # pylint: disable=cell-var-from-loop
+      run_dir = os.path.join(out_dir, f"{cap}_training")
+      meta["train_s"][cap] = experiment.run_phase(f"worker_{cap}", phase, run_dir,
+                                                   config_dict.ConfigDict(checkpoint))
       save_params(path, model)
-      meta["train_s"][cap] = time.time() - t0
-      with open(meta_path, "w") as f:  # The settings of every saved model, before the next one trains.
-        json.dump(meta, f, indent=1)
+      shutil.rmtree(os.path.join(run_dir, "checkpoints"))
+      write_meta()
     else:
       load_params(path, model)
+      meta["sizes"][cap] = dict(sizes[cap])
     workers[cap] = ModelWorker(model, tokenizer, max_new_tokens, max_batch=256)
   meta["skills"] = score_workers(workers, eval_demos)
-  with open(meta_path, "w") as f:
-    json.dump(meta, f, indent=1)
+  write_meta()
   log(f"worker skills: {json.dumps(meta['skills'])}")
   return meta
 
