@@ -8,7 +8,7 @@ import os
 import platform
 import resource
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 
 def cpu_model() -> str:
@@ -25,6 +25,13 @@ def cpu_model() -> str:
 
 def description() -> str:
   return f"{cpu_model()}, {os.cpu_count()} CPUs"
+
+
+def of_records(records: Iterable[Mapping[str, Any]]) -> str:
+  """The machines that ``records`` (e.g. one seed's arms, each with ``"machine"``) ran on, ``"; "``-joined. A
+  record stored before records named their machine counts as ``"machine not recorded"``, never as this one:
+  a restored arm may have run anywhere."""
+  return "; ".join(sorted({r.get("machine", "machine not recorded") for r in records}))
 
 
 def timed(fn: Callable[..., Any], *args, **kwargs) -> tuple[Any, dict[str, float]]:

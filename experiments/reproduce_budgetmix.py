@@ -268,7 +268,7 @@ def finish_seed(entry: dict[str, Any], arms: Sequence[str], splits: Sequence[str
     for arm, q in matched_quality({arm: arm_dir(entry["seed"], arm) for arm in arms}, split).items():
       entry["arms"][arm]["final"][split]["matched_quality"] = {"full": q}
   entry["arms"] = {arm: entry["arms"][arm] for arm in arms}  # In the table's order, whatever finished first.
-  entry["machine"] = "; ".join(sorted({r.get("machine", machine.description()) for r in entry["arms"].values()}))
+  entry["machine"] = machine.of_records(entry["arms"].values())
   entry["finished"] = True
   return True
 

@@ -209,8 +209,7 @@ def main(argv):
     entries[seed]["arms"][arm] = record
     if all(a in entries[seed]["arms"] for a in all_arms):
       entries[seed]["arms"] = {a: entries[seed]["arms"][a] for a in all_arms}  # Whatever finished first.
-      entries[seed]["machine"] = "; ".join(sorted({r.get("machine", saved["machine"])
-                                                  for r in entries[seed]["arms"].values()}))
+      entries[seed]["machine"] = machine.of_records(entries[seed]["arms"].values())
       save()
 
   machine.run_parallel(run_arm, [(config_of(arm, s), arm_dir(s, arm)) for s, arm in runs], FLAGS.workers,

@@ -49,6 +49,12 @@ def test_run_parallel_reports_each_result_as_it_finishes_and_returns_them_in_job
   assert reported == ([(1, 16), (0, 9)] if workers > 1 else [(0, 9), (1, 16)])
 
 
+def test_machines_of_records_never_credit_this_machine_with_an_unrecorded_arm():
+  records = [{"machine": "B, 2 CPUs"}, {"machine": "A, 2 CPUs"}, {"machine": "B, 2 CPUs"}]
+  assert machine.of_records(records) == "A, 2 CPUs; B, 2 CPUs"
+  assert machine.of_records([*records, {}]) == "A, 2 CPUs; B, 2 CPUs; machine not recorded"
+
+
 @pytest.mark.parametrize("module", results_md.REPORTS)
 def test_hand_written_readings_add_no_numbers(module):
   report = __import__(module, fromlist=["RESULTS_FILE"])
