@@ -87,14 +87,12 @@ def run(c, workdir: str) -> dict:
       f"gamma {gamma:.3f}, R_dist {'on' if cfg.use_dist_reward else 'off'}, ADAW {'on' if cfg.adaw else 'off'}, "
       f"P >= {min_prefix}")
   before = held_out_tau(c, target, head, tokenizer, test_rows, cfg.num_draft)
-  log(f"token-level drafter, held-out: " + ", ".join(f"{k} {v}" for k, v in before.items()))
+  log("token-level drafter, held-out: " + ", ".join(f"{k} {v}" for k, v in before.items()))
   trainer = pt.PPOWTrainer(target, head, tokens, mask, cfg, pt.optimizer_from_config(p), seed=c.seed)
-  state, elapsed = pt.train(trainer, pt.checkpoint_directory(workdir), p.steps, writer=writer,
-                            checkpoint_every=p.checkpoint_every, log=log)
-  writer.flush()
+  state, elapsed = pt.train(trainer, workdir, p.steps, writer=writer, checkpoint_every=p.checkpoint_every)
   trained = trainer.head(state)
   after = held_out_tau(c, target, trained, tokenizer, test_rows, cfg.num_draft)
-  log(f"PPOW drafter, held-out: " + ", ".join(f"{k} {v}" for k, v in after.items()))
+  log("PPOW drafter, held-out: " + ", ".join(f"{k} {v}" for k, v in after.items()))
   final = os.path.join(workdir, "checkpoints", "speculative")
   if not os.path.exists(os.path.join(final, str(p.steps))):
     dt.save_speculative(final, p.steps, target, trained, {"tokenizer": os.path.join(os.path.abspath(c.init_from),

@@ -97,40 +97,16 @@ def prepare_data(c, workdir: str):
 
 def train_loop(name: str, workdir: str, state, steps: int, step_fn, eval_fn, eval_every: int,
                checkpoint_every: int, writer):
-  """Resumable loop: ``step_fn(state, step) -> (state, metrics)``, ``eval_fn(state) -> metrics``."""
-  import jax  # pylint: disable=g-import-not-at-top
-  from lemon_rl.training.checkpoint import Checkpointer  # pylint: disable=g-import-not-at-top
+  """``step_fn(state, step) -> (state, metrics)`` run to ``steps`` as a phase of the shared runner (resumed from
+  ``workdir/checkpoints/<name>``, checkpointed on SIGTERM), ``eval_fn(state) -> metrics`` every ``eval_every``
+  steps; returns ``(state, seconds in steps)``."""
+  from ml_collections import config_dict as cd  # pylint: disable=g-import-not-at-top
+  from lemon_rl.training import experiment, phases  # pylint: disable=g-import-not-at-top
 
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints", name), max_to_keep=2, async_save=True)
-  start, elapsed = 0, 0.0
-  if ckpt.latest_step() is not None:
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-    state, meta = ckpt.restore(abstract)
-    start, elapsed = int(meta["step"]), float(meta["elapsed_s"])
-    writer.truncate(name, start)
-    writer.truncate(f"eval_{name}", start)
-    log(f"{name}: resumed at step {start}")
-  last_print = time.time()
-  for step in range(start + 1, steps + 1):
-    t0 = time.perf_counter()
-    state, metrics = step_fn(state, step)
-    metrics = jax.device_get(metrics)
-    elapsed += time.perf_counter() - t0
-    writer.write(name, step, {**metrics, "time/elapsed_s": elapsed})
-    if step == start + 1 or step == steps or time.time() - last_print > 30:
-      last_print = time.time()
-      per_step = elapsed / step
-      log(f"{name} step {step}/{steps}: loss {float(metrics['loss']):.4f}, {per_step:.2f} s/step, "
-          f"about {per_step * (steps - step) / 60:.1f} min left")
-    if (eval_every and step % eval_every == 0) or step == steps:
-      values = eval_fn(state)
-      writer.write(f"eval_{name}", step, values)
-      log(f"{name} step {step} eval: " + ", ".join(f"{k} {v:.4f}" for k, v in values.items()))
-    if step % checkpoint_every == 0 or step == steps:
-      ckpt.save(step, state, {"step": step, "elapsed_s": elapsed})
-  ckpt.close()
-  writer.flush()
-  return state, elapsed
+  phase = phases.numbered_phase(state, step_fn, steps, progress_keys=("loss",), eval_every=eval_every,
+                                evaluate=eval_fn)
+  return experiment.run_phase(name, phase, workdir, cd.ConfigDict(
+      {"every": checkpoint_every, "max_to_keep": 2, "async_save": True}), writer)
 
 
 def train_target(c, workdir: str, tokenizer, train_rows, test_rows, writer):

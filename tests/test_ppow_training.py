@@ -321,10 +321,10 @@ def test_ppow_raises_tau_and_a_flipped_advantage_lowers_it(data):
 def test_resume_repeats_the_next_step(data, tmp_path):
   trainer = _trainer(data)
   directory = str(tmp_path / "ppow")
-  state, _ = pt.train(trainer, directory, 2, checkpoint_every=1, log=lambda _: None)
+  state, _ = pt.train(trainer, directory, 2, checkpoint_every=1)
   expected, expected_metrics = trainer.step(state, 3)
   expected = jax.device_get(expected)
-  resumed, _ = pt.train(_trainer(data), directory, 3, checkpoint_every=1, log=lambda _: None)
+  resumed, _ = pt.train(_trainer(data), directory, 3, checkpoint_every=1)
   resumed = jax.device_get(resumed)
   assert int(resumed.step) == 3
   jax.tree.map(np.testing.assert_array_equal, resumed.params, expected.params)

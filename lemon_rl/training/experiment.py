@@ -216,29 +216,34 @@ class _PhaseRunner:
 
 
 def _run_phase(name: str, phase: Phase, checkpoint, workdir: str, writer: MetricsWriter,
-               sigterm: _SigtermFlag) -> float:
-  """Runs (or resumes) ``phase``, calls ``phase.finish`` on its final state; returns its elapsed seconds."""
+               sigterm: _SigtermFlag) -> tuple[Any, float]:
+  """Runs (or resumes) ``phase``, calls ``phase.finish`` on its final state; returns ``(final state, elapsed
+  seconds)``."""
   runner = _PhaseRunner(name, checkpoint, workdir, writer, sigterm)
   try:
     state, elapsed = runner.run(phase)
   finally:
     runner.close()
   phase.finish(state)
-  return elapsed
+  return state, elapsed
 
 
-def run_phase(name: str, phase: Phase, workdir: str, checkpoint) -> float:
+def run_phase(name: str, phase: Phase, workdir: str, checkpoint,
+              writer: MetricsWriter | None = None) -> tuple[Any, float]:
   """Runs (or resumes) one built ``phase`` on its own, as :func:`run` runs each of an experiment's phases:
   checkpoints in ``workdir/checkpoints/<name>`` (``checkpoint``: ``every``, ``max_to_keep``, ``async_save``),
-  metrics in ``workdir/metrics.jsonl``, :class:`Preempted` after the checkpoint a SIGTERM asks for. For what
-  trains outside a policy experiment (e.g. LEMON's worker models). Returns the phase's elapsed seconds, summed
-  over resumes."""
-  writer = MetricsWriter(workdir, tensorboard=False)
+  metrics to ``writer`` (default: ``workdir/metrics.jsonl``), :class:`Preempted` after the checkpoint a SIGTERM
+  asks for. For what trains outside a policy experiment (LEMON's worker models, the stdlib target and its
+  drafter, PPOW; :func:`lemon_rl.training.phases.numbered_phase`). Returns ``(final state, elapsed seconds)``,
+  the seconds summed over resumes."""
+  own_writer = writer is None
+  writer = MetricsWriter(workdir, tensorboard=False) if own_writer else writer
   try:
     with _SigtermFlag() as sigterm:
       return _run_phase(name, phase, checkpoint, workdir, writer, sigterm)
   finally:
-    writer.close()
+    if own_writer:
+      writer.close()
 
 
 def start_from(source_workdir: str, workdir: str, phase: str) -> bool:
@@ -286,7 +291,7 @@ def run(config, workdir: str, final_eval: Callable[[nnx.Module, Task], dict[str,
       if not config[name].steps:
         continue
       phase = PHASES.get(name)(PhaseContext(config, task, model, workdir, evaluate_policy))
-      phase_times[name] = _run_phase(name, phase, config.checkpoint, workdir, writer, sigterm)
+      _, phase_times[name] = _run_phase(name, phase, config.checkpoint, workdir, writer, sigterm)
     final = final_eval(model, task) if final_eval is not None else None
   writer.close()
   summary = summarize(workdir, config, phase_times, final) if distributed.is_main() else None

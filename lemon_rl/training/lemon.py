@@ -838,8 +838,8 @@ def train_worker_models(demos: Sequence[Mapping[str, Any]], eval_demos: Sequence
           progress_keys=("train/nll",), evaluate=lambda state: {},
           finish=lambda state: nnx.update(model, state.params))  # pylint: disable=cell-var-from-loop
       run_dir = os.path.join(out_dir, f"{cap}_training")
-      meta["train_s"][cap] = experiment.run_phase(f"worker_{cap}", phase, run_dir,
-                                                   config_dict.ConfigDict(checkpoint))
+      _, meta["train_s"][cap] = experiment.run_phase(f"worker_{cap}", phase, run_dir,
+                                                      config_dict.ConfigDict(checkpoint))
       save_params(path, model)
       shutil.rmtree(os.path.join(run_dir, "checkpoints"))
       write_meta()

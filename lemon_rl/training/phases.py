@@ -83,6 +83,39 @@ class Phase:
   finish: Callable[[Any], None]
 
 
+class StepNumbers:
+  """The iterator of a phase that draws its own data from the step number: yields ``{"step": [n]}`` for
+  ``n = 1, 2, ...``; its state is the next number."""
+
+  def __init__(self):
+    self._next = 1
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict[str, list[int]]:
+    self._next += 1
+    return {"step": [self._next - 1]}
+
+  def get_state(self) -> dict[str, int]:
+    return {"next": self._next}
+
+  def set_state(self, state: dict[str, int]) -> None:
+    self._next = int(state["next"])
+
+
+def numbered_phase(state: Any, step: Callable[[Any, int], tuple[Any, dict[str, Any]]], steps: int, *,
+                   progress_keys: tuple[str, ...], eval_every: int = 0,
+                   evaluate: Callable[[Any], dict[str, float]] = lambda state: {},
+                   finish: Callable[[Any], None] = lambda state: None) -> Phase:
+  """A phase whose ``step(state, n) -> (state, metrics)`` draws its batch from the step number ``n`` (1-based;
+  e.g. rows indexed by ``(seed, n)``), so its resume needs only the state and ``n``. For what trains outside a
+  task's data pipeline (a drafter, a stdlib target, PPOW), run by
+  :func:`lemon_rl.training.experiment.run_phase`."""
+  return Phase(state, StepNumbers(), lambda state, examples: step(state, examples[0]["step"]), steps, eval_every,
+               progress_keys, evaluate, finish)
+
+
 def policy_phase(ctx: PhaseContext, state: state_lib.TrainState, iterator, trainer, steps: int, eval_every: int,
                  progress_keys: tuple[str, ...], refill: bool = False) -> Phase:
   """A phase that trains the policy with ``trainer.step(state, examples) -> (state, metrics, extra)``: it is

@@ -60,8 +60,7 @@ import dataclasses
 import functools
 import json
 import os
-import time
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -76,7 +75,6 @@ from lemon_rl.models.drafter import EagleDrafter, EagleHead
 from lemon_rl.models.transformer import KVCache, Transformer
 from lemon_rl.training import drafter_training as dt
 from lemon_rl.training import state as state_lib
-from lemon_rl.training.checkpoint import Checkpointer
 from lemon_rl.training.state import TrainState
 
 Array = jax.Array
@@ -525,37 +523,16 @@ class PPOWTrainer:
     return state.replace(step=state.step + 1), values
 
 
-def train(trainer: PPOWTrainer, directory: str, steps: int, *, writer=None, checkpoint_every: int = 50,
-          log: Callable[[str], None] = print, phase: str = "ppow") -> tuple[TrainState, float]:
-  """Runs ``trainer`` to ``steps`` steps, checkpointing the train state under ``directory`` (resumed from
-  its latest checkpoint when there is one). Returns ``(state, seconds spent in steps)``."""
-  state = trainer.init_state()
-  ckpt = Checkpointer(directory, max_to_keep=2, async_save=False)
-  start, elapsed = 0, 0.0
-  if ckpt.latest_step() is not None:
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-    state, meta = ckpt.restore(abstract)
-    start, elapsed = int(meta["step"]), float(meta["elapsed_s"])
-    if writer is not None:
-      writer.truncate(phase, start)
-    log(f"{phase}: resumed at step {start}")
-  last_print = time.time()
-  for step in range(start + 1, steps + 1):
-    t0 = time.perf_counter()
-    state, metrics = trainer.step(state, step)
-    metrics = jax.device_get(metrics)
-    elapsed += time.perf_counter() - t0
-    if writer is not None:
-      writer.write(phase, step, {**metrics, "time/elapsed_s": elapsed})
-    if step == start + 1 or step == steps or time.time() - last_print > 30:
-      last_print = time.time()
-      log(f"{phase} step {step}/{steps}: tau {float(metrics['tau']):.3f} (expected "
-          f"{float(metrics['tau_expected']):.3f}), reward {float(metrics['reward']):.3f}, kl "
-          f"{float(metrics['kl']):.4f}, {elapsed / (step - start):.2f} s/step")
-    if step % checkpoint_every == 0 or step == steps:
-      ckpt.save(step, state, {"step": step, "elapsed_s": elapsed})
-  ckpt.close()
-  return state, elapsed
+def train(trainer: PPOWTrainer, workdir: str, steps: int, *, writer=None, checkpoint_every: int = 50,
+          phase: str = "ppow") -> tuple[TrainState, float]:
+  """Runs ``trainer`` to ``steps`` steps as a phase of the shared runner
+  (:func:`lemon_rl.training.experiment.run_phase`): checkpoints in ``workdir/checkpoints/<phase>``, resumed
+  from the latest one, and on SIGTERM; metrics to ``writer`` (default ``workdir/metrics.jsonl``). Returns
+  ``(state, seconds spent in steps)``."""
+  from lemon_rl.training import experiment, phases  # pylint: disable=g-import-not-at-top  (they import this module)
+  built = phases.numbered_phase(trainer.init_state(), trainer.step, steps, progress_keys=("tau", "reward", "kl"))
+  return experiment.run_phase(phase, built, workdir, config_dict.ConfigDict(
+      {"every": checkpoint_every, "max_to_keep": 2, "async_save": False}), writer)
 
 
 # -- configuration --------------------------------------------------------------------------------------
@@ -594,7 +571,3 @@ def load_start(init_from: str):
   distill = np.load(os.path.join(init_from, "data", "distill.npz"))
   test_rows = np.load(os.path.join(init_from, "data", "test.npy"))
   return target, head, spec_config, tokenizer, distill["tokens"], distill["mask"], test_rows
-
-
-def checkpoint_directory(workdir: str) -> str:
-  return os.path.join(workdir, "checkpoints", "ppow")
