@@ -64,7 +64,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import hashlib
 import re
 from typing import Any, Mapping, Sequence
 
@@ -72,7 +71,7 @@ import numpy as np
 
 from lemon_rl.data import splits as content_splits
 from lemon_rl.envs.orchestration import executor as ex_lib
-from lemon_rl.envs.orchestration.executor import AgentPrompt, WorkerOutput, format_agent_prompt
+from lemon_rl.envs.orchestration.executor import AgentPrompt, format_agent_prompt
 from lemon_rl.envs.orchestration.spec import CAPACITIES, DEFAULT_ROLES, Agent, Schema, Spec, serialize
 from lemon_rl.envs.tasks import TASK_CONFIG_CHECKS, TASKS, Task
 from lemon_rl.rewards.combine import WeightedReward
@@ -362,11 +361,6 @@ def skill_of(prompt: AgentPrompt) -> str | None:
   return None
 
 
-def _unit(*parts) -> float:
-  digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-  return int.from_bytes(digest, "little") / 2.0**64
-
-
 def corrupt(output: str, u: float) -> str:
   """A wrong version of a correct output (``u`` in ``[0, 1)`` picks which): an integer moves by 1-3, an
   expression gets one operand changed by one; any other text is returned unchanged."""
@@ -380,40 +374,30 @@ def corrupt(output: str, u: float) -> str:
   return output
 
 
-class WordProblemWorker:
+class WordProblemWorker(ex_lib.ProgrammaticWorker):
   """A programmatic worker of one capacity (a :class:`~lemon_rl.envs.orchestration.Worker`).
 
   For a prompt of skill ``s`` (:func:`skill_of`) it answers :func:`reference_output` with probability
-  ``accuracy[s][capacity]``, else :func:`corrupt` of it; exact duties are always right. The draw is
+  ``skill_accuracy[s][capacity]``, else :func:`corrupt` of it; exact duties are always right. The draw is
   ``u(key, prompt) < accuracy`` with ``u`` a hash to ``[0, 1)``: a function of (prompt, key) alone, and the
   same ``u`` for every capacity, so a node a smaller worker gets right a bigger one gets right too.
-  Tokens as :class:`~lemon_rl.envs.orchestration.ProgrammaticWorker`: the prompt's tokens, and the output's,
-  EOS and ``extra_tokens[capacity]``. ``calls`` / ``rows`` count its use.
+  Tokens and counters as :class:`~lemon_rl.envs.orchestration.ProgrammaticWorker`, with
+  ``extra_tokens[capacity]``.
   """
 
   def __init__(self, capacity: str, accuracy: Mapping[str, Mapping[str, float]] | None = None,
                extra_tokens: Mapping[str, int] | None = None, tokenizer=None):
+    super().__init__(reference_output, extra_tokens=int((extra_tokens or EXTRA_TOKENS)[capacity]),
+                     tokenizer=tokenizer)
     self.capacity = capacity
-    self.accuracy = {s: dict(v) for s, v in (accuracy or SKILL_ACCURACY).items()}
-    self.extra_tokens = int((extra_tokens or EXTRA_TOKENS)[capacity])
-    self.tokenizer = tokenizer or ByteTokenizer()
-    self.calls = self.rows = 0
+    self.skill_accuracy = {s: dict(v) for s, v in (accuracy or SKILL_ACCURACY).items()}
 
-  def __call__(self, prompts: Sequence[str], keys: Sequence[int]) -> WorkerOutput:
-    if len(prompts) != len(keys):
-      raise ValueError(f"{len(prompts)} prompts but {len(keys)} keys")
-    self.calls += 1
-    self.rows += len(prompts)
-    texts = []
-    for prompt, key in zip(prompts, keys):
-      parsed = ex_lib.parse_agent_prompt(prompt)
-      correct, skill = reference_output(parsed), skill_of(parsed)
-      u = _unit(int(key), prompt)
-      ok = skill is None or u < self.accuracy[skill][self.capacity]
-      texts.append(correct if ok else corrupt(correct, _unit("corrupt", int(key), prompt)))
-    prompt_tokens = [len(self.tokenizer.encode(p)) for p in prompts]
-    completion_tokens = [len(self.tokenizer.encode(t)) + 1 + self.extra_tokens for t in texts]
-    return WorkerOutput(texts, np.asarray(prompt_tokens, np.int64), np.asarray(completion_tokens, np.int64))
+  def answer(self, prompt: str, key: int) -> str:
+    parsed = ex_lib.parse_agent_prompt(prompt)
+    correct, skill = reference_output(parsed), skill_of(parsed)
+    if skill is None or ex_lib.unit_interval(key, prompt) < self.skill_accuracy[skill][self.capacity]:
+      return correct
+    return corrupt(correct, ex_lib.unit_interval("corrupt", key, prompt))
 
 
 def programmatic_workers(accuracy: Mapping[str, Mapping[str, float]] | None = None,

@@ -222,7 +222,9 @@ class ModelWorker:
     return WorkerOutput(texts, np.asarray(prompt_tokens, np.int64), np.asarray(completion_tokens, np.int64))
 
 
-def _unit_interval(*parts) -> float:
+def unit_interval(*parts) -> float:
+  """A deterministic draw in ``[0, 1)`` from ``parts`` (a hash of their ``repr``): a programmatic worker's
+  common random number."""
   digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
   return int.from_bytes(digest, "little") / 2.0**64
 
@@ -246,15 +248,17 @@ class ProgrammaticWorker:
     self.calls = 0
     self.rows = 0
 
+  def answer(self, prompt: str, key: int) -> str:
+    """The output for one prompt and sampling key (what a subclass with other accuracies overrides)."""
+    correct = self.solve(parse_agent_prompt(prompt))
+    return correct if unit_interval(key, prompt) < self.accuracy else self.corrupt(correct)
+
   def __call__(self, prompts: Sequence[str], keys: Sequence[int]) -> WorkerOutput:
     if len(prompts) != len(keys):
       raise ValueError(f"{len(prompts)} prompts but {len(keys)} keys")
     self.calls += 1
     self.rows += len(prompts)
-    texts = []
-    for prompt, key in zip(prompts, keys):
-      correct = self.solve(parse_agent_prompt(prompt))
-      texts.append(correct if _unit_interval(int(key), prompt) < self.accuracy else self.corrupt(correct))
+    texts = [self.answer(prompt, int(key)) for prompt, key in zip(prompts, keys)]
     prompt_tokens = [len(self.tokenizer.encode(p)) for p in prompts]
     completion_tokens = [len(self.tokenizer.encode(t)) + 1 + self.extra_tokens for t in texts]
     return WorkerOutput(texts, np.asarray(prompt_tokens, np.int64), np.asarray(completion_tokens, np.int64))
