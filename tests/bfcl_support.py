@@ -123,3 +123,100 @@ def import_bfcl() -> tuple[Bfcl | None, str]:
     return None, f"bfcl-eval has no data directory at {data_dir}"
   return Bfcl(ast_checker, Language.PYTHON, default_decode_ast_prompting,
               is_function_calling_format_output, is_empty_output, data_dir, bfcl_version), ""
+
+
+# ------------------------------------------------------------------------------------------------------
+# Calls rendered from BFCL's ground truth, and the mutations the comparisons with its checker use.
+
+Calls = list[tuple[str, dict[str, Any]]]
+
+
+def python_text(calls: Calls) -> str:
+  """``[f(a=1), g(b='x')]``: BFCL's Python call syntax."""
+  return "[" + ", ".join(
+      f"{name}({', '.join(f'{k}={v!r}' for k, v in args.items())})" for name, args in calls) + "]"
+
+
+def schemas(functions: list[dict]) -> dict[str, dict]:
+  """Function name -> its parameters schema (the first declaration of a name)."""
+  out = {}
+  for f in functions:
+    out.setdefault(f["name"], f["parameters"])
+  return out
+
+
+def first_acceptable(values: list) -> Any:
+  """The first of BFCL's possible answers that is not the empty "not given" marker."""
+  return [v for v in values if v != ""][0]
+
+
+def render_value(value: Any, schema: dict) -> Any:
+  """A dict answer is a possible-answer dict ``{key: [values]}``; also inside lists of dicts."""
+  if schema.get("type") == "dict" and isinstance(value, dict):
+    return {k: first_acceptable(v) for k, v in value.items() if "" not in v}
+  items = schema.get("items", {})
+  if schema.get("type") == "array" and items.get("type") == "dict" and isinstance(value, list):
+    return [render_value(x, items) for x in value]
+  return value
+
+
+def render_gold(functions: list[dict], gold: list[dict]) -> Calls:
+  """First acceptable value of each parameter; optional ones ("" accepted, not required) left out."""
+  by_name = schemas(functions)
+  calls = []
+  for entry in gold:
+    (name, params), = entry.items()
+    schema = by_name.get(name, {"properties": {}, "required": []})
+    required = set(schema.get("required", []))
+    args = {}
+    for param, values in params.items():
+      concrete = [v for v in values if v != ""]
+      if not concrete or ("" in values and param not in required):
+        continue
+      args[param] = render_value(concrete[0], schema["properties"].get(param, {}))
+    calls.append((name, args))
+  return calls
+
+
+def default_value(param_schema: dict) -> Any:
+  """A value of the parameter's declared type."""
+  return {"string": "abc", "integer": 3, "float": 1.5, "boolean": True, "array": ["abc"],
+          "tuple": ["abc"], "dict": {}, "any": "abc"}.get(param_schema.get("type"), "abc")
+
+
+def wrong_type(value: Any) -> Any:
+  """``value`` as another type (a number as a string, a string as a number...)."""
+  if isinstance(value, bool):
+    return "true" if value else "false"
+  if isinstance(value, (int, float)):
+    return str(value)
+  if isinstance(value, str):
+    return 12345
+  if isinstance(value, list):
+    return ",".join(map(str, value))
+  if isinstance(value, dict):
+    return list(value.items())
+  return 0
+
+
+def wrong_value(value: Any) -> Any:
+  """Another value of the same type."""
+  if isinstance(value, bool):
+    return not value
+  if isinstance(value, int):
+    return value + 1
+  if isinstance(value, float):
+    return value + 0.5
+  if isinstance(value, str):
+    return value + " xyz"
+  if isinstance(value, list):
+    return value + [value[0]] if value else ["xyz"]
+  if isinstance(value, dict):
+    changed = dict(value)
+    if changed:
+      key = sorted(changed)[0]
+      changed[key] = wrong_value(changed[key])
+    else:
+      changed["xyz"] = 1
+    return changed
+  return "xyz"

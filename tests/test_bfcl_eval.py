@@ -40,7 +40,7 @@ BFCL, _SKIP_REASON = bfcl_support.import_bfcl()
 if BFCL is None:
   pytest.skip(_SKIP_REASON, allow_module_level=True)
 
-Calls = list[tuple[str, dict[str, Any]]]
+Calls = bfcl_support.Calls
 
 
 class Src(str):
@@ -104,9 +104,6 @@ def _qwen_fc_decoder() -> Callable[[str], Any]:
 # Rendering.
 
 
-def python_text(calls: Calls) -> str:
-  return "[" + ", ".join(
-      f"{name}({', '.join(f'{k}={v!r}' for k, v in args.items())})" for name, args in calls) + "]"
 
 
 def hermes_text(calls: Calls) -> str:
@@ -123,94 +120,28 @@ def _json_safe(value: Any) -> bool:
   return True
 
 
-def _schemas(functions: list[dict]) -> dict[str, dict]:
-  out = {}
-  for f in functions:
-    out.setdefault(f["name"], f["parameters"])
-  return out
 
 
-def _first(values: list) -> Any:
-  return [v for v in values if v != ""][0]
 
 
-def _render_value(value: Any, schema: dict) -> Any:
-  """A dict answer is a possible-answer dict ``{key: [values]}``; also inside lists of dicts."""
-  if schema.get("type") == "dict" and isinstance(value, dict):
-    return {k: _first(v) for k, v in value.items() if "" not in v}
-  items = schema.get("items", {})
-  if schema.get("type") == "array" and items.get("type") == "dict" and isinstance(value, list):
-    return [_render_value(x, items) for x in value]
-  return value
 
 
-def render_gold(functions: list[dict], gold: list[dict]) -> Calls:
-  """First acceptable value of each parameter; optional ones ("" accepted, not required) left out."""
-  schemas = _schemas(functions)
-  calls = []
-  for entry in gold:
-    (name, params), = entry.items()
-    schema = schemas.get(name, {"properties": {}, "required": []})
-    required = set(schema.get("required", []))
-    args = {}
-    for param, values in params.items():
-      concrete = [v for v in values if v != ""]
-      if not concrete or ("" in values and param not in required):
-        continue
-      args[param] = _render_value(concrete[0], schema["properties"].get(param, {}))
-    calls.append((name, args))
-  return calls
 
 
 # ------------------------------------------------------------------------------------------------------
 # Mutations.
 
 
-def _default_value(param_schema: dict) -> Any:
-  return {"string": "abc", "integer": 3, "float": 1.5, "boolean": True, "array": ["abc"],
-          "tuple": ["abc"], "dict": {}, "any": "abc"}.get(param_schema.get("type"), "abc")
 
 
-def _wrong_type(value: Any) -> Any:
-  if isinstance(value, bool):
-    return "true" if value else "false"
-  if isinstance(value, (int, float)):
-    return str(value)
-  if isinstance(value, str):
-    return 12345
-  if isinstance(value, list):
-    return ",".join(map(str, value))
-  if isinstance(value, dict):
-    return list(value.items())
-  return 0
 
 
-def _wrong_value(value: Any) -> Any:
-  if isinstance(value, bool):
-    return not value
-  if isinstance(value, int):
-    return value + 1
-  if isinstance(value, float):
-    return value + 0.5
-  if isinstance(value, str):
-    return value + " xyz"
-  if isinstance(value, list):
-    return value + [value[0]] if value else ["xyz"]
-  if isinstance(value, dict):
-    changed = dict(value)
-    if changed:
-      key = sorted(changed)[0]
-      changed[key] = _wrong_value(changed[key])
-    else:
-      changed["xyz"] = 1
-    return changed
-  return "xyz"
 
 
 def ast_cases(functions: list[dict], gold: list[dict], rng: random.Random) -> list[tuple[str, str]]:
   """``(label, model text)``: the rendered ground truth and its mutations."""
-  schemas = _schemas(functions)
-  base = render_gold(functions, gold)
+  schemas = bfcl_support.schemas(functions)
+  base = bfcl_support.render_gold(functions, gold)
   calls_out: list[tuple[str, Calls]] = [("ground_truth", base)]
 
   def with_call(i: int, name: str, args: dict) -> Calls:
@@ -239,17 +170,17 @@ def ast_cases(functions: list[dict], gold: list[dict], rng: random.Random) -> li
     absent = [p for p in props if p not in args]
     if absent:
       p = rng.choice(absent)
-      add("extra_arg:schema", i, name, {**args, p: _default_value(props[p])})
+      add("extra_arg:schema", i, name, {**args, p: bfcl_support.default_value(props[p])})
     optional_unused = [p for p, vals in gold_params.items() if "" in vals and p not in args
                        and any(v != "" for v in vals)]
     if optional_unused:
       p = rng.choice(optional_unused)
-      add("optional_given", i, name, {**args, p: _render_value(_first(gold_params[p]), props.get(p, {}))})
+      add("optional_given", i, name, {**args, p: bfcl_support.render_value(bfcl_support.first_acceptable(gold_params[p]), props.get(p, {}))})
     if not args:
       continue
     p = rng.choice(sorted(args))
-    add("wrong_type", i, name, {**args, p: _wrong_type(args[p])})
-    add("wrong_value", i, name, {**args, p: _wrong_value(args[p])})
+    add("wrong_type", i, name, {**args, p: bfcl_support.wrong_type(args[p])})
+    add("wrong_value", i, name, {**args, p: bfcl_support.wrong_value(args[p])})
     add("value_none", i, name, {**args, p: None})
     decoder_param = rng.choice(sorted(args))  # Decoder corner cases on one argument per call.
     for q in sorted(args):
@@ -272,7 +203,7 @@ def ast_cases(functions: list[dict], gold: list[dict], rng: random.Random) -> li
       if isinstance(value, list):
         add("tuple_for_list", i, name, {**args, q: tuple(value)})
         if value:
-          add("list_element_wrong_type", i, name, {**args, q: [_wrong_type(value[0])] + value[1:]})
+          add("list_element_wrong_type", i, name, {**args, q: [bfcl_support.wrong_type(value[0])] + value[1:]})
           add("list_reversed", i, name, {**args, q: list(reversed(value))})
         if value and all(isinstance(x, float) and x.is_integer() for x in value):
           add("ints_in_float_list", i, name, {**args, q: [int(x) for x in value]})
@@ -284,7 +215,7 @@ def ast_cases(functions: list[dict], gold: list[dict], rng: random.Random) -> li
           add("dict_key_dropped", i, name, {**args, q: smaller})
       concrete = [v for v in gold_params.get(q, []) if v != ""]
       if len(concrete) > 1:
-        add("other_acceptable_value", i, name, {**args, q: _render_value(concrete[-1], schema)})
+        add("other_acceptable_value", i, name, {**args, q: bfcl_support.render_value(concrete[-1], schema)})
     add("decoder:nested_call", i, name, {**args, decoder_param: Src("g(k=1)")})
     add("decoder:call_without_keywords", i, name, {**args, decoder_param: Src("g(1)")})
     add("decoder:lambda", i, name, {**args, decoder_param: Src("lambda: 1")})
@@ -296,8 +227,8 @@ def ast_cases(functions: list[dict], gold: list[dict], rng: random.Random) -> li
   calls_out.append(("no_call", []))
   calls_out.append(("extra_call:duplicate", copy.deepcopy(base) + [copy.deepcopy(rng.choice(base))]))
 
-  cases = [(label, python_text(calls)) for label, calls in calls_out]
-  text = python_text(base)
+  cases = [(label, bfcl_support.python_text(calls)) for label, calls in calls_out]
+  text = bfcl_support.python_text(base)
   inner = text[1:-1]
   head, args_src = inner.split("(", 1)
   cases += [
@@ -321,7 +252,7 @@ def irrelevance_cases(functions: list[dict], rng: random.Random) -> list[tuple[s
   if functions:
     f = rng.choice(functions)
     props, required = f["parameters"]["properties"], f["parameters"].get("required", [])
-    call = python_text([(f["name"], {p: _default_value(props[p]) for p in required if p in props})])
+    call = bfcl_support.python_text([(f["name"], {p: bfcl_support.default_value(props[p]) for p in required if p in props})])
   else:  # Some live_irrelevance entries offer no function.
     f, call = {"name": "lookup"}, "[lookup(query='x')]"
   return [
@@ -358,7 +289,7 @@ def test_every_category_is_loaded(entries):
 def _satisfiable(entry: bfcl.BfclEntry) -> bool:
   """Some answer passes: no required parameter without an acceptable value, no non-optional gold
   parameter missing from the schema (a few BFCL entries break one of these)."""
-  schemas = _schemas(entry.functions)
+  schemas = bfcl_support.schemas(entry.functions)
   for call in entry.gold:
     (name, params), = call.items()
     for param in schemas[name].get("required", []):
@@ -425,7 +356,7 @@ def test_hermes_decoder_equals_bfcl_qwen_fc_handler(entries):
     name = bfcl.bfcl_name(category)
     for entry in items[::4]:
       rng = random.Random(entry.id)
-      calls = render_gold(entry.functions, entry.gold) if entry.gold else []
+      calls = bfcl_support.render_gold(entry.functions, entry.gold) if entry.gold else []
       texts = [hermes_text(calls), "", "[]", "<tool_call>\n{\"name\": \"f\"}\n</tool_call>",
                "<tool_call>\n[1]\n</tool_call>", "<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>",
                "<tool_call>\nnot json\n</tool_call>"]
@@ -617,7 +548,7 @@ def _write_jsonl(path, rows):
 def test_command_scores_a_jsonl(entries, tmp_path, capsys):
   from experiments import eval_bfcl  # pylint: disable=import-outside-toplevel
   simple, irrelevance = entries["simple"][:40], entries["irrelevance"][:20]
-  rows = [{"id": e.id, "model_output_text": python_text(render_gold(e.functions, e.gold)) if i < 30 else "Sorry."}
+  rows = [{"id": e.id, "model_output_text": bfcl_support.python_text(bfcl_support.render_gold(e.functions, e.gold)) if i < 30 else "Sorry."}
           for i, e in enumerate(simple)]
   rows += [{"id": e.id, "result": "" if i < 10 else irrelevance_cases(e.functions, random.Random(0))[5][1]}
            for i, e in enumerate(irrelevance)]  # BFCL result-file rows; the second half calls a function.

@@ -16,7 +16,6 @@ import collections
 import copy
 import json
 import random
-from typing import Any
 
 import pytest
 
@@ -27,101 +26,33 @@ BFCL, _SKIP_REASON = bfcl_support.import_bfcl()
 if BFCL is None:
   pytest.skip(_SKIP_REASON, allow_module_level=True)
 
-Calls = list[tuple[str, dict[str, Any]]]
+Calls = bfcl_support.Calls
 
 
 # ------------------------------------------------------------------------------------------------
 # Rendering.
 
 
-def python_text(calls: Calls) -> str:
-  return "[" + ", ".join(
-      f"{name}({', '.join(f'{k}={v!r}' for k, v in args.items())})" for name, args in calls) + "]"
 
 
 def json_text(calls: Calls) -> str:
   return json.dumps([{"name": name, "arguments": args} for name, args in calls])
 
 
-def _schemas(functions: list[dict]) -> dict[str, dict]:
-  out = {}
-  for f in functions:
-    out.setdefault(f["name"], f["parameters"])
-  return out
 
 
-def _render_value(value: Any, schema: dict) -> Any:
-  """A dict answer is itself a possible-answer dict ``{key: [values]}``; also inside lists of dicts."""
-  if schema.get("type") == "dict" and isinstance(value, dict):
-    return {k: [x for x in v if x != ""][0] for k, v in value.items() if "" not in v}
-  items = schema.get("items", {})
-  if schema.get("type") == "array" and items.get("type") == "dict" and isinstance(value, list):
-    return [_render_value(x, items) for x in value]
-  return value
 
 
-def render_gold(functions: list[dict], gold: list[dict]) -> Calls:
-  """First acceptable value of each parameter; optional ones ("" accepted, not required) left out."""
-  schemas = _schemas(functions)
-  calls = []
-  for entry in gold:
-    (name, params), = entry.items()
-    required = set(schemas[name].get("required", []))
-    args = {}
-    for param, values in params.items():
-      concrete = [v for v in values if v != ""]
-      if not concrete or ("" in values and param not in required):
-        continue
-      args[param] = _render_value(concrete[0], schemas[name]["properties"].get(param, {}))
-    calls.append((name, args))
-  return calls
 
 
 # ------------------------------------------------------------------------------------------------
 # Mutations.
 
 
-def _default_value(param_schema: dict) -> Any:
-  return {"string": "abc", "integer": 3, "float": 1.5, "boolean": True, "array": ["abc"],
-          "tuple": ["abc"], "dict": {}, "any": "abc"}.get(param_schema.get("type"), "abc")
 
 
-def _wrong_type(value: Any) -> Any:
-  if isinstance(value, bool):
-    return "true" if value else "false"
-  if isinstance(value, int):
-    return str(value)
-  if isinstance(value, float):
-    return str(value)
-  if isinstance(value, str):
-    return 12345
-  if isinstance(value, list):
-    return ",".join(map(str, value))
-  if isinstance(value, dict):
-    return list(value.items())
-  return 0
 
 
-def _wrong_value(value: Any) -> Any:
-  if isinstance(value, bool):
-    return not value
-  if isinstance(value, int):
-    return value + 1
-  if isinstance(value, float):
-    return value + 0.5
-  if isinstance(value, str):
-    return value + " xyz"
-  if isinstance(value, list):
-    return value + [value[0]] if value else ["xyz"]
-  if isinstance(value, dict):
-    changed = dict(value)
-    if changed:
-      key = sorted(changed)[0]
-      changed[key] = _wrong_value(changed[key])
-    else:
-      changed["xyz"] = 1
-    return changed
-  return "xyz"
 
 
 def _case_variant(value: str) -> str:
@@ -130,8 +61,8 @@ def _case_variant(value: str) -> str:
 
 def mutations(functions: list[dict], gold: list[dict], rng: random.Random) -> list[tuple[str, Calls]]:
   """Systematic mutations of the rendered ground truth of one BFCL entry."""
-  schemas = _schemas(functions)
-  base = render_gold(functions, gold)
+  schemas = bfcl_support.schemas(functions)
+  base = bfcl_support.render_gold(functions, gold)
   out: list[tuple[str, Calls]] = []
 
   def with_call(i: int, name: str, args: dict) -> Calls:
@@ -157,7 +88,7 @@ def mutations(functions: list[dict], gold: list[dict], rng: random.Random) -> li
     absent = [p for p in props if p not in args]
     if absent:
       p = rng.choice(absent)
-      out.append(("extra_schema_key", with_call(i, name, {**args, p: _default_value(props[p])})))
+      out.append(("extra_schema_key", with_call(i, name, {**args, p: bfcl_support.default_value(props[p])})))
     optional_used = [p for p, vals in gold_params.items()
                      if "" in vals and p not in args and any(v != "" for v in vals)]
     if optional_used:
@@ -168,8 +99,8 @@ def mutations(functions: list[dict], gold: list[dict], rng: random.Random) -> li
       continue
     params = sorted(args)
     p = rng.choice(params)
-    out.append(("wrong_type", with_call(i, name, {**args, p: _wrong_type(args[p])})))
-    out.append(("wrong_value", with_call(i, name, {**args, p: _wrong_value(args[p])})))
+    out.append(("wrong_type", with_call(i, name, {**args, p: bfcl_support.wrong_type(args[p])})))
+    out.append(("wrong_value", with_call(i, name, {**args, p: bfcl_support.wrong_value(args[p])})))
     for q in params:
       value, schema = args[q], props.get(q, {})
       if isinstance(value, str):
@@ -187,7 +118,7 @@ def mutations(functions: list[dict], gold: list[dict], rng: random.Random) -> li
       if isinstance(value, list):
         out.append(("tuple_for_list", with_call(i, name, {**args, q: tuple(value)})))
         if value:
-          wrong = [_wrong_type(value[0])] + value[1:]
+          wrong = [bfcl_support.wrong_type(value[0])] + value[1:]
           out.append(("list_element_wrong_type", with_call(i, name, {**args, q: wrong})))
         if value and all(isinstance(x, float) and x.is_integer() for x in value):
           out.append(("ints_in_float_list", with_call(i, name, {**args, q: [int(x) for x in value]})))
@@ -209,7 +140,7 @@ def mutations(functions: list[dict], gold: list[dict], rng: random.Random) -> li
   out.append(("extra_call:duplicate", copy.deepcopy(base) + [copy.deepcopy(rng.choice(base))]))
   other = rng.choice(functions)
   out.append(("extra_call:other_function",
-              copy.deepcopy(base) + [(other["name"], {p: _default_value(s) for p, s in
+              copy.deepcopy(base) + [(other["name"], {p: bfcl_support.default_value(s) for p, s in
                                                       other["parameters"]["properties"].items()
                                                       if p in other["parameters"].get("required", [])})]))
   return out
@@ -219,7 +150,7 @@ def irrelevance_outputs(functions: list[dict]) -> list[tuple[str, Calls]]:
   f = functions[0]
   props, required = f["parameters"]["properties"], f["parameters"].get("required", [])
   return [("no_call", []),
-          ("call_anyway", [(f["name"], {p: _default_value(props[p]) for p in required if p in props})])]
+          ("call_anyway", [(f["name"], {p: bfcl_support.default_value(props[p]) for p in required if p in props})])]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -238,12 +169,12 @@ def test_ground_truth_is_exact(entries):
   for category, items in entries.items():
     for entry in items:
       gold = entry.get("ground_truth", [])
-      calls = render_gold(entry["function"], gold)
-      for text in (python_text(calls), json_text(calls)):
+      calls = bfcl_support.render_gold(entry["function"], gold)
+      for text in (bfcl_support.python_text(calls), json_text(calls)):
         scores = tool_calls.score_tool_calls(text, gold, entry["function"])
         assert scores.exact == 1.0, (entry["id"], text, scores)
         assert scores.parse_status == ("ok" if gold else "empty")
-        assert BFCL.check(category, entry["function"], gold, python_text(calls)), entry["id"]
+        assert BFCL.check(category, entry["function"], gold, bfcl_support.python_text(calls)), entry["id"]
         counts[category] += 1
         if min(getattr(scores, d) for d in tool_calls.DIMENSIONS) < 1.0:
           not_all_ones[category] += 1
@@ -267,7 +198,7 @@ def test_exact_agrees_with_bfcl_ast_checker(entries):
       else:
         cases = mutations(functions, gold, rng)
       for label, calls in cases:
-        text = python_text(calls)
+        text = bfcl_support.python_text(calls)
         ours = tool_calls.score_tool_calls(text, gold, functions)
         theirs = BFCL.check(category, functions, gold, text)
         same = (ours.exact == 1.0) == theirs
@@ -295,7 +226,7 @@ def test_exact_agrees_with_bfcl_ast_checker(entries):
 
 
 def _check_both(category, functions, gold, calls):
-  text = python_text(calls)
+  text = bfcl_support.python_text(calls)
   return tool_calls.score_tool_calls(text, gold, functions).exact == 1.0, BFCL.check(
       category, functions, gold, text)
 
