@@ -12,7 +12,10 @@ held-out demonstrations; they are part of the environment, the same for every ar
 sessions and machines, and training the workers costs several CPU-hours: committing them is what keeps every seed
 on the same workers (arms stored with other workers are refused). A worker in training checkpoints every
 ``worker_training.checkpoint_every`` steps and on SIGTERM into ``WORKERS_DIR/<capacity>_training`` and the same
-command resumes it exactly: commit that directory to go on in another session. The ``tiny`` and ``pilot`` variants use
+command resumes it exactly: commit that directory to go on in another session. Before any orchestrator trains,
+the worker gate (``task.worker_gate``, :func:`lemon_rl.training.lemon.worker_gate`) checks the premise that
+capacity matters (the large worker clearly above the medium one on multiplications): with workers that fail it
+the command stops, since every arm would be comparing teams whose capacities make no difference. The ``tiny`` and ``pilot`` variants use
 the programmatic workers instead.
 
 Per seed (``configs/lemon_orchestration.py:<variant>_<arm>``): the ``sft_only`` arm runs the orchestrator's
@@ -169,10 +172,14 @@ def main(argv):
            "setup": setup_facts(base), "workers": None, "seeds": [], "done": False}
   if base.task.workers == "models":
     saved["workers"] = train_workers(base, workers_dir)
+    saved["worker_gate"] = lemon.worker_gate(saved["workers"]["skills"], base.task.worker_gate)
   if FLAGS.train_workers_only:
-    print(json.dumps(saved["workers"], indent=1) if saved["workers"] else
-          f"variant {FLAGS.variant!r} uses programmatic workers: nothing to train")
+    print(json.dumps({"workers": saved["workers"], "worker_gate": saved.get("worker_gate")}, indent=1)
+          if saved["workers"] else f"variant {FLAGS.variant!r} uses programmatic workers: nothing to train")
     return
+  if saved.get("worker_gate") and not saved["worker_gate"]["passed"]:
+    raise SystemExit(f"the worker models in {workers_dir} fail the worker gate (task.worker_gate), so capacity "
+                     f"would not matter to the orchestrator: {report.gate_checks(saved['worker_gate'])}")
 
   def config_of(arm, seed):
     c = lemon_orchestration.apply_arm(lemon_orchestration.get_config(FLAGS.variant), arm)

@@ -467,6 +467,25 @@ def test_worker_training_stopped_by_sigterm_resumes_to_the_same_models(tmp_path,
         np.testing.assert_array_equal(a[name], b[name], err_msg=f"{cap} {name}")
 
 
+def test_worker_gate_compares_each_capacity_and_adjacent_gaps_with_the_thresholds():
+  skills = {"small": {"multiply": 0.25, "add": 0.9}, "medium": {"multiply": 0.5, "add": 0.95},
+            "large": {"multiply": 0.6, "add": 1.0}}
+  gate = lemon.worker_gate(skills, {"min_multiply_large_minus_medium": 0.15, "min_multiply_large": 0.5})
+  assert gate["statistics"]["multiply_large_minus_medium"] == pytest.approx(0.1)
+  assert gate["statistics"]["add_medium_minus_small"] == pytest.approx(0.05)
+  assert gate["statistics"]["add_small"] == 0.9 and len(gate["statistics"]) == 2 * (3 + 2)
+  assert not gate["passed"]
+  assert [c["passed"] for c in gate["checks"]] == [False, True]
+  text = report.gate_checks(gate)
+  assert text == "`multiply_large_minus_medium` = 0.100 (>= 0.15): FAILED; `multiply_large` = 0.600 (>= 0.5): passed"
+  assert lemon.worker_gate({**skills, "large": {"multiply": 0.7, "add": 1.0}},
+                           {"min_multiply_large_minus_medium": 0.15})["passed"]
+  with pytest.raises(ValueError, match="unknown statistic"):
+    lemon.worker_gate(skills, {"min_multiply_huge": 0.5})
+  lines = report.workers_table({"skills": skills, "sizes": {}}, gate)
+  assert lines[-1].startswith("Worker gate") and "FAILED" in lines[-1]
+
+
 def test_worker_params_round_trip_and_skill_scores(tmp_path):
   tok = ByteTokenizer()
   small = {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "mlp_dim": 32}

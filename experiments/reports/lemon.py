@@ -112,7 +112,13 @@ def step0_table(seeds) -> list[str]:
           "over edits.", "", *lines, "", "Gate (thresholds fixed in the config): " + "; ".join(gates) + "."]
 
 
-def workers_table(workers) -> list[str]:
+def gate_checks(gate: Mapping[str, Any]) -> str:
+  """``"`stat` = value (>= threshold): passed"`` per check of a gate report, ``"; "``-joined."""
+  return "; ".join(f"`{c['statistic']}` = {c['value']:.3f} ({'>=' if c['bound'] == 'min' else '<='} "
+                   f"{c['threshold']:g}): {'passed' if c['passed'] else 'FAILED'}" for c in gate["checks"])
+
+
+def workers_table(workers, gate=None) -> list[str]:
   if not workers:
     return ["Workers: programmatic (`lemon_rl.envs.word_problems.WordProblemWorker`, accuracy per skill and "
             "capacity set in `SKILL_ACCURACY`)."]
@@ -122,7 +128,11 @@ def workers_table(workers) -> list[str]:
     size = workers["sizes"].get(cap, {})
     shape = f"d {size.get('hidden_size')} / {size.get('num_layers')} layers"
     lines.append(f"| {cap} | {shape} | " + " | ".join(f"{scores.get(k, float('nan')):.3f}" for k in skills) + " |")
-  return ["Worker models (greedy exact match per skill on held-out worker demonstrations):", "", *lines]
+  lines = ["Worker models (greedy exact match per skill on held-out worker demonstrations):", "", *lines]
+  if gate:
+    lines += ["", "Worker gate (capacity matters; thresholds fixed in the config before the workers trained): "
+              + gate_checks(gate) + "."]
+  return lines
 
 
 def render(saved: Mapping[str, Any]) -> str:
@@ -140,7 +150,7 @@ def render(saved: Mapping[str, Any]) -> str:
       "tokens per problem (prompts and completions of every agent), agents and edges per spec, share of valid "
       "specs, accuracy by problem kind and the answer agent's capacity level (0 small, 1 medium, 2 large).",
       "",
-      *workers_table(saved.get("workers")),
+      *workers_table(saved.get("workers"), saved.get("worker_gate")),
       "",
       *arms_table(seeds),
       "",

@@ -782,6 +782,22 @@ def score_workers(workers: Mapping[str, Any], demos: Sequence[Mapping[str, Any]]
   return out
 
 
+def worker_gate(skills: Mapping[str, Mapping[str, float]], thresholds: Mapping[str, float]) -> dict[str, Any]:
+  """Whether capacity matters among the measured workers (``skills``: capacity -> skill -> exact match, as
+  :func:`score_workers` gives), the experiment's premise, checked before any orchestrator trains.
+
+  Statistics: ``<skill>_<capacity>`` (each score) and ``<skill>_<bigger>_minus_<smaller>`` (adjacent
+  capacities of :data:`CAPACITIES`), compared with ``thresholds`` (``min_`` / ``max_<statistic>``, e.g.
+  ``min_multiply_large_minus_medium``) by :func:`~lemon_rl.eval.headroom.check_headroom`. Returns its
+  JSON-ready report; never raises on a failed check (the caller decides)."""
+  statistics = {}
+  for skill in skills[CAPACITIES[0]]:
+    statistics.update({f"{skill}_{cap}": float(skills[cap][skill]) for cap in CAPACITIES})
+    statistics.update({f"{skill}_{big}_minus_{small}": float(skills[big][skill] - skills[small][skill])
+                       for small, big in zip(CAPACITIES, CAPACITIES[1:])})
+  return check_headroom(statistics, dict(thresholds), raise_on_failure=False).to_dict()
+
+
 def train_worker_models(demos: Sequence[Mapping[str, Any]], eval_demos: Sequence[Mapping[str, Any]],
                         sizes: Mapping[str, Mapping[str, Any]], training, out_dir: str, tokenizer, *,
                         prompt_len: int, max_new_tokens: int,
