@@ -848,14 +848,13 @@ def train_worker_models(demos: Sequence[Mapping[str, Any]], eval_demos: Sequence
       optimizer = state_lib.make_optimizer(float(requested["learning_rate"]), steps, int(requested["warmup_steps"]))
       graphdef, state = state_lib.create_train_state(model, optimizer, seed)
       trainer = SFTTrainer(graphdef, optimizer, tokenizer, max_new_tokens, None, prompt_len)
-      phase = phases_lib.Phase(
-          state, BatchIterator(list(demos), batch_size=int(requested["batch_size"]), seed=seed),
-          step=lambda state, examples: trainer.step(state, examples)[:2], steps=steps, eval_every=0,
-          progress_keys=("train/nll",), evaluate=lambda state: {},
-          finish=lambda state: nnx.update(model, state.params))  # pylint: disable=cell-var-from-loop
+      step = lambda state, examples: trainer.step(state, examples)[:2]  # pylint: disable=cell-var-from-loop
+      phase = phases_lib.Phase(state, BatchIterator(list(demos), batch_size=int(requested["batch_size"]), seed=seed),
+                               step, steps, eval_every=0, progress_keys=("train/nll",))
       run_dir = os.path.join(out_dir, f"{cap}_training")
-      _, meta["train_s"][cap] = experiment.run_phase(f"worker_{cap}", phase, run_dir,
-                                                      config_dict.ConfigDict(checkpoint))
+      state, meta["train_s"][cap] = experiment.run_phase(f"worker_{cap}", phase, run_dir,
+                                                          config_dict.ConfigDict(checkpoint))
+      nnx.update(model, state.params)
       save_params(path, model)
       shutil.rmtree(os.path.join(run_dir, "checkpoints"))
       write_meta()

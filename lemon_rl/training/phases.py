@@ -69,8 +69,9 @@ class Phase:
     steps: number of steps.
     eval_every: held-out evaluation period (0 = only at the end).
     progress_keys: metrics shown on the progress bar.
-    evaluate: ``evaluate(state) -> metrics`` on held-out data.
-    finish: ``finish(state)``, called once the phase has run: hands its result to the next phase.
+    evaluate: ``evaluate(state) -> metrics`` on held-out data (default: none).
+    finish: ``finish(state)``, called once the phase has run: hands its result to the next phase (default:
+      nothing; :func:`lemon_rl.training.experiment.run_phase` also returns the final state).
   """
 
   state: Any
@@ -79,8 +80,8 @@ class Phase:
   steps: int
   eval_every: int
   progress_keys: tuple[str, ...]
-  evaluate: Callable[[Any], dict[str, float]]
-  finish: Callable[[Any], None]
+  evaluate: Callable[[Any], dict[str, float]] = lambda state: {}
+  finish: Callable[[Any], None] = lambda state: None
 
 
 class StepNumbers:
@@ -106,14 +107,13 @@ class StepNumbers:
 
 def numbered_phase(state: Any, step: Callable[[Any, int], tuple[Any, dict[str, Any]]], steps: int, *,
                    progress_keys: tuple[str, ...], eval_every: int = 0,
-                   evaluate: Callable[[Any], dict[str, float]] = lambda state: {},
-                   finish: Callable[[Any], None] = lambda state: None) -> Phase:
+                   evaluate: Callable[[Any], dict[str, float]] = lambda state: {}) -> Phase:
   """A phase whose ``step(state, n) -> (state, metrics)`` draws its batch from the step number ``n`` (1-based;
   e.g. rows indexed by ``(seed, n)``), so its resume needs only the state and ``n``. For what trains outside a
   task's data pipeline (a drafter, a stdlib target, PPOW), run by
   :func:`lemon_rl.training.experiment.run_phase`."""
   return Phase(state, StepNumbers(), lambda state, examples: step(state, examples[0]["step"]), steps, eval_every,
-               progress_keys, evaluate, finish)
+               progress_keys, evaluate)
 
 
 def policy_phase(ctx: PhaseContext, state: state_lib.TrainState, iterator, trainer, steps: int, eval_every: int,
