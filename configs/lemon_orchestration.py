@@ -96,8 +96,8 @@ def get_config(variant: str = "cpu") -> config_dict.ConfigDict:
       "num_eval": 1_000,  # Held-out demonstrations scoring each worker's skills.
       "steps": 3_000, "batch_size": 128, "learning_rate": 2e-3, "warmup_steps": 100, "seed": 0,
       "checkpoint_every": 100})  # Resumable across sessions: about 10 CPU-minutes of the large worker.
-  # The premise, checked on the trained workers before any orchestrator trains (lemon.worker_gate; Decision,
-  # fixed before the workers trained): multiplying is reliable only at the large capacity. With about 130
+  # The premise, checked on the trained workers before any orchestrator trains (worker_models.worker_gate;
+  # Decision, fixed before the workers trained): multiplying is reliable only at the large capacity. With about 130
   # held-out multiplications the standard error of a difference is about 0.06.
   c.task.worker_gate = config_dict.ConfigDict({"min_multiply_large_minus_medium": 0.15, "min_multiply_large": 0.5})
   # The orchestration reward (lemon_rl.training.lemon.RewardSettings; METHODS.md decision).

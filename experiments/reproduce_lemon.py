@@ -5,18 +5,18 @@ r"""LEMON over seeds: SFT only, global GRPO, LEMON, LEMON without each edit fami
     python -m experiments.reproduce_lemon --workdir=/tmp/lemon_tiny --variant=tiny --seeds=0 \
         --results_file=/tmp/lemon_tiny/results.json                                              # smoke run
 
-Workers (``task.workers="models"``, the ``cpu`` variant): the three worker models are trained ONCE, by SFT on
-worker demonstrations (``lemon_rl.envs.word_problems.worker_demonstrations``), into ``WORKERS_DIR`` (committed
-with the results: about 9 MB of float32 parameters; ``--workers_dir`` elsewhere) and their skills are measured on
-held-out demonstrations; they are part of the environment, the same for every arm and seed. The experiment spans
-sessions and machines, and training the workers costs several CPU-hours: committing them is what keeps every seed
-on the same workers (arms stored with other workers are refused). A worker in training checkpoints every
+Workers (``task.workers="models"``, the ``cpu`` variant): the three worker models are trained ONCE, by SFT on worker
+demonstrations (``lemon_rl.envs.word_problems.worker_demonstrations``), into ``WORKERS_DIR`` (committed with the
+results: about 9 MB of float32 parameters; ``--workers_dir`` elsewhere) and their skills are measured on held-out
+demonstrations; they are part of the environment, the same for every arm and seed. The experiment spans sessions and
+machines, and training the workers costs several CPU-hours: committing them is what keeps every seed on the same
+workers (arms stored with other workers are refused). A worker in training checkpoints every
 ``worker_training.checkpoint_every`` steps and on SIGTERM into ``WORKERS_DIR/<capacity>_training`` and the same
-command resumes it exactly: commit that directory to go on in another session. Before any orchestrator trains,
-the worker gate (``task.worker_gate``, :func:`lemon_rl.training.lemon.worker_gate`) checks the premise that
-capacity matters (the large worker clearly above the medium one on multiplications): with workers that fail it
-the command stops, since every arm would be comparing teams whose capacities make no difference. The ``tiny`` and ``pilot`` variants use
-the programmatic workers instead.
+command resumes it exactly: commit that directory to go on in another session. Before any orchestrator trains, the
+worker gate (``task.worker_gate``, :func:`lemon_rl.training.worker_models.worker_gate`) checks the premise that
+capacity matters (the large worker clearly above the medium one on multiplications): with workers that fail it the
+command stops, since every arm would be comparing teams whose capacities make no difference. The ``tiny`` and
+``pilot`` variants use the programmatic workers instead.
 
 Per seed (``configs/lemon_orchestration.py:<variant>_<arm>``): the ``sft_only`` arm runs the orchestrator's
 SFT on the scripted teacher's specs; its final policy is "SFT only" and the step-0 check runs on it (specs
@@ -51,6 +51,7 @@ from lemon_rl.envs import word_problems
 from lemon_rl.text import ByteTokenizer
 from lemon_rl.training import experiment
 from lemon_rl.training import lemon
+from lemon_rl.training import worker_models
 from lemon_rl.training.metrics import read_records
 
 flags.DEFINE_string("workdir", None, "Root directory: workers/, then one sub-directory per seed and arm.")
@@ -75,7 +76,7 @@ def train_workers(config, workers_dir: str) -> dict:
   kwargs = word_problems._generator_kwargs(t)  # pylint: disable=protected-access
   demos = word_problems.worker_demonstrations(t.data_seed, int(w.num_demos), "workers", **kwargs)
   eval_demos = word_problems.worker_demonstrations(t.data_seed, int(w.num_eval), "workers_eval", **kwargs)
-  return lemon.train_worker_models(demos, eval_demos, t.worker_models, w, workers_dir, ByteTokenizer(),
+  return worker_models.train_worker_models(demos, eval_demos, t.worker_models, w, workers_dir, ByteTokenizer(),
                                    prompt_len=word_problems.WORKER_PROMPT_LEN,
                                    max_new_tokens=word_problems.WORKER_MAX_NEW_TOKENS)
 
@@ -172,7 +173,7 @@ def main(argv):
            "setup": setup_facts(base), "workers": None, "seeds": [], "done": False}
   if base.task.workers == "models":
     saved["workers"] = train_workers(base, workers_dir)
-    saved["worker_gate"] = lemon.worker_gate(saved["workers"]["skills"], base.task.worker_gate)
+    saved["worker_gate"] = worker_models.worker_gate(saved["workers"]["skills"], base.task.worker_gate)
   if FLAGS.train_workers_only:
     print(json.dumps({"workers": saved["workers"], "worker_gate": saved.get("worker_gate")}, indent=1)
           if saved["workers"] else f"variant {FLAGS.variant!r} uses programmatic workers: nothing to train")

@@ -33,6 +33,7 @@ from lemon_rl.text import ByteTokenizer, encode_prompt
 from lemon_rl.training import experiment
 from lemon_rl.training import lemon
 from lemon_rl.training import state as state_lib
+from lemon_rl.training import worker_models
 from lemon_rl.training.batches import build_sequences, pad_completions
 from lemon_rl.training.metrics import read_records
 from lemon_rl.training.rollout import Rollout
@@ -410,8 +411,9 @@ _WORKER_SIZES = {c: _TINY_WORKER for c in ("small", "medium", "large")}
 
 def _train_tiny_workers(out: str, training: dict, sizes=None) -> dict:
   demos, eval_demos = wp.worker_demonstrations(0, 16, "workers"), wp.worker_demonstrations(0, 8, "workers_eval")
-  return lemon.train_worker_models(demos, eval_demos, sizes or _WORKER_SIZES, training, out, ByteTokenizer(),
-                                   prompt_len=wp.WORKER_PROMPT_LEN, max_new_tokens=4, log=lambda _: None)
+  return worker_models.train_worker_models(demos, eval_demos, sizes or _WORKER_SIZES, training, out,
+                                           ByteTokenizer(), prompt_len=wp.WORKER_PROMPT_LEN, max_new_tokens=4,
+                                           log=lambda _: None)
 
 
 def test_worker_training_reuses_saved_models_only_under_the_same_settings(tmp_path):
@@ -470,7 +472,7 @@ def test_worker_training_stopped_by_sigterm_resumes_to_the_same_models(tmp_path,
 def test_worker_gate_compares_each_capacity_and_adjacent_gaps_with_the_thresholds():
   skills = {"small": {"multiply": 0.25, "add": 0.9}, "medium": {"multiply": 0.5, "add": 0.95},
             "large": {"multiply": 0.6, "add": 1.0}}
-  gate = lemon.worker_gate(skills, {"min_multiply_large_minus_medium": 0.15, "min_multiply_large": 0.5})
+  gate = worker_models.worker_gate(skills, {"min_multiply_large_minus_medium": 0.15, "min_multiply_large": 0.5})
   assert gate["statistics"]["multiply_large_minus_medium"] == pytest.approx(0.1)
   assert gate["statistics"]["add_medium_minus_small"] == pytest.approx(0.05)
   assert gate["statistics"]["add_small"] == 0.9 and len(gate["statistics"]) == 2 * (3 + 2)
@@ -478,10 +480,10 @@ def test_worker_gate_compares_each_capacity_and_adjacent_gaps_with_the_threshold
   assert [c["passed"] for c in gate["checks"]] == [False, True]
   text = report.gate_checks(gate)
   assert text == "`multiply_large_minus_medium` = 0.100 (>= 0.15): FAILED; `multiply_large` = 0.600 (>= 0.5): passed"
-  assert lemon.worker_gate({**skills, "large": {"multiply": 0.7, "add": 1.0}},
+  assert worker_models.worker_gate({**skills, "large": {"multiply": 0.7, "add": 1.0}},
                            {"min_multiply_large_minus_medium": 0.15})["passed"]
   with pytest.raises(ValueError, match="unknown statistic"):
-    lemon.worker_gate(skills, {"min_multiply_huge": 0.5})
+    worker_models.worker_gate(skills, {"min_multiply_huge": 0.5})
   lines = report.workers_table({"skills": skills, "sizes": {}}, gate)
   assert lines[-1].startswith("Worker gate") and "FAILED" in lines[-1]
 
@@ -489,17 +491,19 @@ def test_worker_gate_compares_each_capacity_and_adjacent_gaps_with_the_threshold
 def test_worker_params_round_trip_and_skill_scores(tmp_path):
   tok = ByteTokenizer()
   small = {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "mlp_dim": 32}
-  a, b = lemon.worker_model(small, tok.vocab_size, seed=1), lemon.worker_model(small, tok.vocab_size, seed=2)
+  a = worker_models.worker_model(small, tok.vocab_size, seed=1)
+  b = worker_models.worker_model(small, tok.vocab_size, seed=2)
   path = os.path.join(str(tmp_path), "small.npz")
-  lemon.save_params(path, a)
-  lemon.load_params(path, b)
+  worker_models.save_params(path, a)
+  worker_models.load_params(path, b)
   for x, y in zip(jax.tree.leaves(nnx.state(a, nnx.Param)), jax.tree.leaves(nnx.state(b, nnx.Param))):
     np.testing.assert_array_equal(x, y)
   with pytest.raises(ValueError, match="shape|match"):
-    lemon.load_params(path, lemon.worker_model({**small, "hidden_size": 32}, tok.vocab_size))
+    worker_models.load_params(path, worker_models.worker_model({**small, "hidden_size": 32}, tok.vocab_size))
   with pytest.raises(FileNotFoundError, match="train the workers"):
-    lemon.load_worker_models(str(tmp_path), {c: small for c in ("small", "medium", "large")}, tok, max_new_tokens=4)
+    worker_models.load_worker_models(str(tmp_path), {c: small for c in ("small", "medium", "large")}, tok,
+                                     max_new_tokens=4)
   demos = wp.worker_demonstrations(0, 600, "workers_eval")
-  scores = lemon.score_workers(wp.programmatic_workers(), demos)
+  scores = worker_models.score_workers(wp.programmatic_workers(), demos)
   assert scores["small"]["exact"] == scores["large"]["exact"] == 1.0
   assert scores["small"]["multiply"] < scores["medium"]["multiply"] < scores["large"]["multiply"]

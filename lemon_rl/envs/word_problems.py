@@ -40,7 +40,7 @@ skill ``s`` at capacity ``c`` is right with probability :data:`SKILL_ACCURACY` `
 calibration: every capacity extracts and adds reliably, only ``large`` multiplies reliably, solving in one
 step is worse than extract-then-compute at every capacity), else its output is corrupted. For the real
 experiment, three worker models of different sizes are trained by SFT on :func:`worker_demonstrations`
-(``lemon_rl.training.lemon.train_worker_models``); their skill levels are measured, not set.
+(``lemon_rl.training.worker_models.train_worker_models``); their skill levels are measured, not set.
 
 The best team therefore depends on the problem: extractor (small) -> calculator (small for ``add``,
 large for ``multiply``), without useless agents; the scripted teacher (:func:`teacher_spec`), whose specs
@@ -638,7 +638,7 @@ def check_config(config) -> None:
              "must be 'programmatic' (WordProblemWorker) or 'models' (trained worker models)")
   cc.require(t.workers == "programmatic" or bool(t.workers_dir), "task.workers_dir", t.workers_dir,
              "task.workers='models' needs the directory of the trained worker models "
-             "(lemon_rl.training.lemon.train_worker_models)")
+             "(lemon_rl.training.worker_models.train_worker_models)")
   from lemon_rl.training import lemon  # pylint: disable=g-import-not-at-top
   try:
     lemon.RewardSettings.from_config(t.reward, TASK_SCHEMA)
@@ -661,15 +661,15 @@ def build_task(cfg, data_dir: str) -> Task:
   ``workers_dir``, ``worker_models`` (the sizes, for loading), ``reward``.
   """
   del data_dir
-  from lemon_rl.training import lemon  # pylint: disable=g-import-not-at-top
+  from lemon_rl.training import lemon, worker_models  # pylint: disable=g-import-not-at-top
 
   kwargs = _generator_kwargs(cfg)
   tokenizer = ByteTokenizer()
   if cfg.workers == "programmatic":
     workers = programmatic_workers(tokenizer=tokenizer)
   else:
-    workers = lemon.load_worker_models(cfg.workers_dir, cfg.worker_models, tokenizer,
-                                       max_new_tokens=WORKER_MAX_NEW_TOKENS)
+    workers = worker_models.load_worker_models(cfg.workers_dir, cfg.worker_models, tokenizer,
+                                               max_new_tokens=WORKER_MAX_NEW_TOKENS)
   executor = ex_lib.Executor(workers, schema=TASK_SCHEMA, max_input_chars=MAX_INPUT_CHARS)
   scorer = lemon.OrchestrationScorer(executor, lemon.RewardSettings.from_config(cfg.reward, TASK_SCHEMA),
                                      breakdown_field="kind")
