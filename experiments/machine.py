@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import platform
 import resource
+import signal
 import time
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -43,6 +44,43 @@ def timed(fn: Callable[..., Any], *args, **kwargs) -> tuple[Any, dict[str, float
                   "system_s": usage1.ru_stime - usage0.ru_stime}
 
 
+class Stopped(RuntimeError):
+  """:func:`run_parallel` stopped by SIGTERM: the finished jobs were reported, the running ones were asked to stop
+  (an experiment checkpoints and stops), the rest never started."""
+
+
+class _StopOnSigterm:
+  """While active (main thread only): a SIGTERM to this process sets ``raised`` and is passed on to its child
+  processes, the running jobs."""
+
+  def __init__(self):
+    self.raised = False
+    self._previous = None
+
+  def __enter__(self):
+    try:
+      self._previous = signal.signal(signal.SIGTERM, self._handle)
+    except ValueError:  # Not the main thread: leave signals alone.
+      self._previous = None
+    return self
+
+  def _handle(self, signum, frame):
+    del signum, frame
+    self.raised = True
+    for child in multiprocessing.active_children():
+      child.terminate()  # SIGTERM: an experiment saves a checkpoint after its current step and stops.
+
+  def __exit__(self, *exc):
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+
+
+def _ignore_sigterm() -> None:
+  """A pool process ignores SIGTERM between jobs (dying, it would break the pool and kill the running jobs
+  before their checkpoint); a job that handles it, as ``experiment.run`` does, installs its own handler."""
+  signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def run_parallel(fn: Callable[..., Any], jobs: Sequence[tuple[Any, ...]], workers: int,
                  on_result: Callable[[int, Any], None] | None = None) -> list[Any]:
   """``[fn(*job) for job in jobs]``, ``workers`` processes at a time (in order when ``workers <= 1``).
@@ -51,6 +89,11 @@ def run_parallel(fn: Callable[..., Any], jobs: Sequence[tuple[Any, ...]], worker
   jobs finish: a long run saves what is done before the rest finishes. ``fn`` and the jobs must pickle (a
   module-level function; configs as ``ConfigDict``); each process is spawned, not forked (JAX is not fork-safe),
   so it starts with a fresh JAX.
+
+  A job starts only when a process is free, so nothing is queued in a process: when a job raises, or this
+  process gets SIGTERM (passed on to the running jobs; the pool's processes ignore it between jobs), no other
+  job starts, the running ones end, and the first error (or :class:`Stopped`) is raised. (A pool that queued
+  jobs ahead kept running them, orphaned, after its parent was stopped.)
   """
   report = on_result or (lambda i, result: None)
   if workers <= 1:
@@ -59,9 +102,26 @@ def run_parallel(fn: Callable[..., Any], jobs: Sequence[tuple[Any, ...]], worker
       results.append(fn(*job))
       report(i, results[-1])
     return results
+  results, errors, waiting = {}, [], list(enumerate(jobs))[::-1]
   context = multiprocessing.get_context("spawn")
-  with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-    futures = {pool.submit(fn, *job): i for i, job in enumerate(jobs)}
-    for future in concurrent.futures.as_completed(futures):
-      report(futures[future], future.result())
-    return [f.result() for f in futures]
+  with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_ignore_sigterm) as pool, \
+       _StopOnSigterm() as sigterm:
+    running = {}
+    while running or (waiting and not errors and not sigterm.raised):
+      while waiting and len(running) < workers and not errors and not sigterm.raised:
+        i, job = waiting.pop()
+        running[pool.submit(fn, *job)] = i
+      done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+      for future in done:
+        i = running.pop(future)
+        if future.exception() is not None:
+          errors.append(future.exception())
+        else:
+          results[i] = future.result()
+          report(i, results[i])
+  if sigterm.raised:
+    raise Stopped(f"SIGTERM: {len(results)} of {len(jobs)} jobs finished, {len(errors)} stopped "
+                  f"({'; '.join(map(str, errors))}), {len(waiting)} never started")
+  if errors:
+    raise errors[0]
+  return [results[i] for i in range(len(jobs))]

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import signal
 import time
 
 import pytest
@@ -26,6 +27,10 @@ def test_results_go_where_asked_and_only_the_committed_file_regenerates_results_
   assert results_md.is_committed(os.path.join(results_md.ROOT, committed), grpo_arithmetic)
 
 
+def _call(fn, args):
+  return fn(*args)
+
+
 def _square(x, wait_for=None):
   """``x * x``, once ``wait_for`` exists (at most 120 s)."""
   deadline = time.time() + 120
@@ -47,6 +52,37 @@ def test_run_parallel_reports_each_result_as_it_finishes_and_returns_them_in_job
   jobs = [(3, second_reported), (4,)] if workers > 1 else [(3,), (4,)]
   assert machine.run_parallel(_square, jobs, workers, on_result=on_result) == [9, 16]
   assert reported == ([(1, 16), (0, 9)] if workers > 1 else [(0, 9), (1, 16)])
+
+
+def _wait_for_sigterm(ready: str) -> None:
+  """Announces it runs (``ready``), then waits for SIGTERM (at most 120 s) and stops with an error, as an
+  experiment stops after its checkpoint."""
+  stop = []
+  signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+  open(ready, "w").close()
+  deadline = time.time() + 120
+  while not stop and time.time() < deadline:
+    time.sleep(0.01)
+  raise RuntimeError("stopped by SIGTERM" if stop else "no SIGTERM came")
+
+
+def _mark(path: str) -> None:
+  open(path, "w").close()
+
+
+def test_run_parallel_stopped_by_sigterm_stops_its_running_jobs_and_starts_no_other(tmp_path):
+  ready, reported = str(tmp_path / "ready"), []
+  marks = [str(tmp_path / f"started_{i}") for i in (2, 3)]
+
+  def on_result(i, result):  # Job 1 runs: SIGTERM to this process, which passes it on.
+    reported.append((i, result))
+    os.kill(os.getpid(), signal.SIGTERM)
+
+  jobs = [(_square, (3, ready)), (_wait_for_sigterm, (ready,)), (_mark, (marks[0],)), (_mark, (marks[1],))]
+  with pytest.raises(machine.Stopped, match=r"1 of 4 jobs finished, 1 stopped \(stopped by SIGTERM\), 2 never"):
+    machine.run_parallel(_call, jobs, 2, on_result=on_result)
+  assert reported == [(0, 9)]
+  assert not any(os.path.exists(m) for m in marks)
 
 
 def test_machines_of_records_never_credit_this_machine_with_an_unrecorded_arm():
