@@ -11,6 +11,8 @@ import signal
 import time
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from lemon_rl.training.experiment import SigtermFlag
+
 
 def cpu_model() -> str:
   """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
@@ -49,30 +51,9 @@ class Stopped(RuntimeError):
   (an experiment checkpoints and stops), the rest never started."""
 
 
-class _StopOnSigterm:
-  """While active (main thread only): a SIGTERM to this process sets ``raised`` and is passed on to its child
-  processes, the running jobs."""
-
-  def __init__(self):
-    self.raised = False
-    self._previous = None
-
-  def __enter__(self):
-    try:
-      self._previous = signal.signal(signal.SIGTERM, self._handle)
-    except ValueError:  # Not the main thread: leave signals alone.
-      self._previous = None
-    return self
-
-  def _handle(self, signum, frame):
-    del signum, frame
-    self.raised = True
-    for child in multiprocessing.active_children():
-      child.terminate()  # SIGTERM: an experiment saves a checkpoint after its current step and stops.
-
-  def __exit__(self, *exc):
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
+def _pass_sigterm_on() -> None:
+  for child in multiprocessing.active_children():
+    child.terminate()  # SIGTERM: an experiment saves a checkpoint after its current step and stops.
 
 
 def _ignore_sigterm() -> None:
@@ -105,7 +86,7 @@ def run_parallel(fn: Callable[..., Any], jobs: Sequence[tuple[Any, ...]], worker
   results, errors, waiting = {}, [], list(enumerate(jobs))[::-1]
   context = multiprocessing.get_context("spawn")
   with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_ignore_sigterm) as pool, \
-       _StopOnSigterm() as sigterm:
+       SigtermFlag(on_signal=_pass_sigterm_on) as sigterm:
     running = {}
     while running or (waiting and not errors and not sigterm.raised):
       while waiting and len(running) < workers and not errors and not sigterm.raised:

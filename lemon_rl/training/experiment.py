@@ -56,11 +56,13 @@ class Preempted(Exception):
   """Raised after a checkpoint was saved in response to SIGTERM."""
 
 
-class _SigtermFlag:
-  """Turns SIGTERM into a flag checked between steps (the handler itself does no work)."""
+class SigtermFlag:
+  """While active (main thread only), turns SIGTERM into the flag ``raised``, checked between steps; the
+  handler does no other work than ``on_signal()`` (e.g. passing the signal on to child processes)."""
 
-  def __init__(self):
+  def __init__(self, on_signal: Callable[[], None] = lambda: None):
     self.raised = False
+    self._on_signal = on_signal
     self._previous = None
 
   def __enter__(self):
@@ -73,6 +75,7 @@ class _SigtermFlag:
   def _handle(self, signum, frame):
     del signum, frame
     self.raised = True
+    self._on_signal()
 
   def __exit__(self, *exc):
     if self._previous is not None:
@@ -155,7 +158,7 @@ class _PhaseRunner:
   ``checkpoint`` has ``every`` (steps between checkpoints, plus the last step and on SIGTERM), ``max_to_keep``
   and ``async_save`` (an experiment config's ``checkpoint`` section)."""
 
-  def __init__(self, name: str, checkpoint, workdir: str, writer: MetricsWriter, sigterm: _SigtermFlag):
+  def __init__(self, name: str, checkpoint, workdir: str, writer: MetricsWriter, sigterm: SigtermFlag):
     self.name = name
     self.every = checkpoint.every
     self.writer = writer
@@ -216,7 +219,7 @@ class _PhaseRunner:
 
 
 def _run_phase(name: str, phase: Phase, checkpoint, workdir: str, writer: MetricsWriter,
-               sigterm: _SigtermFlag) -> tuple[Any, float]:
+               sigterm: SigtermFlag) -> tuple[Any, float]:
   """Runs (or resumes) ``phase``, calls ``phase.finish`` on its final state; returns ``(final state, elapsed
   seconds)``."""
   runner = _PhaseRunner(name, checkpoint, workdir, writer, sigterm)
@@ -239,7 +242,7 @@ def run_phase(name: str, phase: Phase, workdir: str, checkpoint,
   own_writer = writer is None
   writer = MetricsWriter(workdir, tensorboard=False) if own_writer else writer
   try:
-    with _SigtermFlag() as sigterm:
+    with SigtermFlag() as sigterm:
       return _run_phase(name, phase, checkpoint, workdir, writer, sigterm)
   finally:
     if own_writer:
@@ -286,7 +289,7 @@ def run(config, workdir: str, final_eval: Callable[[nnx.Module, Task], dict[str,
     return metrics
 
   phase_times = {}
-  with activation_sharding(mesh, model.cfg.axis_rules), _SigtermFlag() as sigterm:
+  with activation_sharding(mesh, model.cfg.axis_rules), SigtermFlag() as sigterm:
     for name in config.phases:
       if not config[name].steps:
         continue
