@@ -320,3 +320,21 @@ def test_report_of_a_run_stopped_by_the_headroom_gate():
   saved["stopped"] = "seed 0: step-0 headroom gate failed: pass_at_8_25 = 0 (needs >= 0.05): FAILED"
   text = report.render(saved)
   assert "**Stopped:** seed 0: step-0 headroom gate failed" in text and "| 0 | 0.400 | FAILED |" in text
+
+
+def test_report_plot_shows_the_mean_surface_of_the_finished_seeds(tmp_path):
+  saved = _saved(gigpo_mix_25=0.15)
+  saved["seeds"][4]["arms"]["grpo_full"]["final"]["test"] = _evaluation({25: 9, 50: 9, 75: 9, 100: 9}, 0.3)
+  del saved["seeds"][4]["finished"]  # An unfinished seed does not enter the surface.
+  grids = report.mean_pass_grids(saved)
+  assert list(grids) == [report.label(a) for a in ARMS]
+  full = grids["full-budget GRPO"]["prompted"]  # [F, K]: Pass@k = 0.5 k / 8 at 50% in every seed.
+  assert full.shape == (4, 8)
+  np.testing.assert_allclose(full[1], [0.5 * k / 8 for k in range(1, 9)], rtol=1e-12)
+  expected_25 = np.mean([report.pass_at(s["arms"]["grpo_full"]["final"]["test"], "prompted", 25, 8)
+                         for s in saved["seeds"][:4]])
+  np.testing.assert_allclose(full[0, -1], expected_25, rtol=1e-12)
+  path = report.plot(saved, str(tmp_path / "surface.png"))
+  with open(path, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  assert f"`{report.PLOT_FILE}`" in report.render(saved)

@@ -27,11 +27,14 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Sequence
 
+import numpy as np
+
 from experiments import results_md
 from lemon_rl.eval.stats import PairedComparison, format_mean_ci, format_paired_table, holm_paired_intervals
 
 TITLE = "BudgetMix on FrozenLake (multi-turn RL under turn budgets)"
 RESULTS_FILE = "experiments/results/budgetmix/results.json"
+PLOT_FILE = "experiments/results/budgetmix/pass_surface.png"
 PLANNED_SEEDS = (0, 1, 2, 3, 4)
 COMMAND = ("python -m experiments.reproduce_budgetmix --workdir=runs/budgetmix "
            f"--seeds={','.join(map(str, PLANNED_SEEDS))} --workers=2")
@@ -196,4 +199,26 @@ def render(saved: Mapping[str, Any]) -> str:
     lines += ["", f"Claimed directions on `{FAMILY_SPLIT}` (Pass@{k}, prompted; paired by seed):", "",
               *format_paired_table(results), "", "The paper's directions:", "",
               *claim_summary(list(zip([key for key, _ in keyed], results)))]
+  lines += ["", f"Pass@(K,T) surfaces on `{FAMILY_SPLIT}` (mean over the finished seeds, both modes, per arm): "
+            f"`{PLOT_FILE}`; raw numbers in `{RESULTS_FILE}`."]
   return "\n".join(lines)
+
+
+def mean_pass_grids(saved: Mapping[str, Any], split: str = FAMILY_SPLIT) -> dict[str, dict[str, np.ndarray]]:
+  """``{arm label: {mode: [F, K] Pass@(k, T)}}``, the mean over the finished seeds where the arm ran on ``split``."""
+  setup, seeds = saved["setup"], [s for s in saved["seeds"] if s.get("finished")]
+  pcts = [int(round(100 * f)) for f in setup["fractions"]]
+  grids = {}
+  for arm in saved["arms"]:
+    done = _complete(seeds, (arm,), split)
+    if done:
+      grids[label(arm)] = {mode: np.mean([[_final(s, arm, split)["pass"][mode][str(p)] for p in pcts] for s in done],
+                                         axis=0) for mode in ("prompted", "truncated")}
+  return grids
+
+
+def plot(saved: Mapping[str, Any], path: str, split: str = FAMILY_SPLIT) -> str:
+  """The Pass@(K,T) heat maps of :func:`mean_pass_grids` (one row per arm), saved to ``path``."""
+  from lemon_rl.eval.budget_eval import plot_pass_grids  # pylint: disable=g-import-not-at-top  (imports JAX)
+  setup = saved["setup"]
+  return plot_pass_grids(mean_pass_grids(saved, split), setup["fractions"], range(1, int(setup["max_k"]) + 1), path)

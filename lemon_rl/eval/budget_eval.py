@@ -597,25 +597,42 @@ def evaluate_budgets(model, tokenizer, maps: Sequence[Sequence[str]],
 
 
 def plot_pass_surface(surfaces: PassSurface | Mapping[str, PassSurface], path: str) -> str:
-  """Heat maps of Pass@(K,T): x = budget fraction, y = K, colour = value in [0, 1]; one panel per mode (columns)
-  and per policy (rows, ``{name: surface}``). Saved to ``path`` (matplotlib, Agg); returns ``path``."""
+  """Heat maps of Pass@(K,T) of one policy or of several (``{name: surface}``); see :func:`plot_pass_grids`."""
+  named = {"": surfaces} if isinstance(surfaces, PassSurface) else dict(surfaces)
+  some = next(iter(named.values()))
+  grids = {name: {mode: s.mean[i] for i, mode in enumerate(s.modes)} for name, s in named.items()}
+  return plot_pass_grids(grids, some.fractions, some.ks, path)
+
+
+def plot_pass_grids(grids: Mapping[str, Mapping[str, np.ndarray]], fractions: Sequence[float], ks: Sequence[int],
+                    path: str) -> str:
+  """Heat maps of Pass@(K,T): x = budget fraction, y = K, colour = value in [0, 1].
+
+  Args:
+    grids: ``{policy name: {mode: [F, len(ks)] Pass@(k, T)}}``; one row of panels per policy, one column per mode.
+    fractions: the ``F`` budget fractions of ``T_max``.
+    ks: the ``K`` values.
+    path: where the figure is saved (matplotlib, Agg).
+
+  Returns:
+    ``path``.
+  """
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
-  named = {"": surfaces} if isinstance(surfaces, PassSurface) else dict(surfaces)
-  cols = max(len(s.modes) for s in named.values())
-  fig, axes = plt.subplots(len(named), cols, figsize=(1.2 + 3.6 * cols, 0.6 + 3.0 * len(named)), squeeze=False,
+  cols = max(len(modes) for modes in grids.values())
+  fig, axes = plt.subplots(len(grids), cols, figsize=(1.2 + 3.6 * cols, 0.6 + 3.0 * len(grids)), squeeze=False,
                            layout="constrained")
   image = None
-  for r, (name, s) in enumerate(named.items()):
-    for c, mode in enumerate(s.modes):
-      ax, z = axes[r, c], s.mean[c].T  # [K, F]
+  for r, (name, modes) in enumerate(grids.items()):
+    for c, (mode, grid) in enumerate(modes.items()):
+      ax, z = axes[r, c], np.asarray(grid).T  # [K, F]
       image = ax.imshow(z, origin="lower", aspect="auto", vmin=0.0, vmax=1.0, cmap="viridis")
       for (i, j), v in np.ndenumerate(z):
         ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7, color="white" if v < 0.6 else "black")
-      ax.set_xticks(range(len(s.fractions)), [f"{f:.0%}" for f in s.fractions])
-      ax.set_yticks(range(len(s.ks)), [str(k) for k in s.ks])
+      ax.set_xticks(range(len(fractions)), [f"{f:.0%}" for f in fractions])
+      ax.set_yticks(range(len(ks)), [str(k) for k in ks])
       ax.set_xlabel("turn budget T (fraction of T_max)")
       ax.set_ylabel("K")
       ax.set_title(f"{name}: {mode}" if name else mode)
