@@ -161,9 +161,19 @@ def claim_summary(keyed: Sequence[tuple[str, Any]]) -> list[str]:
   return lines
 
 
+def _pcts(setup: Mapping[str, Any]) -> list[int]:
+  """The budget fractions of ``T_max`` as the integer percentages that key the saved Pass@k."""
+  return [int(round(100 * f)) for f in setup["fractions"]]
+
+
+def _finished(seeds: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+  """The seeds whose every arm is done: the only ones the tables and the plot pair."""
+  return [s for s in seeds if s.get("finished")]
+
+
 def render(saved: Mapping[str, Any]) -> str:
   setup, seeds, arms = saved["setup"], saved["seeds"], list(saved["arms"])
-  pcts = [int(round(100 * f)) for f in setup["fractions"]]
+  pcts = _pcts(setup)
   k = int(setup["max_k"])
   lines = [f"Command: `{saved['command']}` {results_md.where_seeds_ran(saved)}.", ""]
   lines += [
@@ -176,7 +186,7 @@ def render(saved: Mapping[str, Any]) -> str:
       f"Step quality is Q*(s, a) / max Q*(s, .) (gamma 0.95) of the full-budget episodes' moves; recovery is the "
       f"success rate after an injected detour at {int(round(100 * setup['recovery_fraction']))}% of T_max. "
       "Mean ± 95% CI over seeds.", ""]
-  finished = [s["seed"] for s in seeds if s.get("finished")]
+  finished = [s["seed"] for s in _finished(seeds)]
   if not set(PLANNED_SEEDS) <= set(finished):
     lines += [f"**In progress:** seeds finished {finished or 'none'} of the planned {list(PLANNED_SEEDS)}; the "
               "tables below hold the finished seeds only. The section's command goes on from the committed arms "
@@ -184,7 +194,7 @@ def render(saved: Mapping[str, Any]) -> str:
   lines += headroom_table(saved)
   if saved.get("stopped"):
     lines += ["", f"**Stopped:** {saved['stopped']}"]
-  seeds = [s for s in seeds if s.get("finished")]  # Every table pairs the same seeds: those with every arm.
+  seeds = _finished(seeds)  # Every table pairs the same seeds: those with every arm.
   if not seeds:
     return "\n".join(lines)
   for split in setup["splits"]:
@@ -206,8 +216,7 @@ def render(saved: Mapping[str, Any]) -> str:
 
 def mean_pass_grids(saved: Mapping[str, Any], split: str = FAMILY_SPLIT) -> dict[str, dict[str, np.ndarray]]:
   """``{arm label: {mode: [F, K] Pass@(k, T)}}``, the mean over the finished seeds where the arm ran on ``split``."""
-  setup, seeds = saved["setup"], [s for s in saved["seeds"] if s.get("finished")]
-  pcts = [int(round(100 * f)) for f in setup["fractions"]]
+  seeds, pcts = _finished(saved["seeds"]), _pcts(saved["setup"])
   grids = {}
   for arm in saved["arms"]:
     done = _complete(seeds, (arm,), split)
