@@ -9,14 +9,19 @@ packages for RL, held-out packages for validation and test); the policy writes u
 tokens of the body and earns 1 when the head plus its completion is valid Python so far
 (``lemon_rl.rewards.python_syntax``).
 
-Arms (the same seeds, prompts and settings; only the sampler differs):
+Arms (the same seeds, prompts and settings; only the sampler differs). Every arm but ``residual`` samples
+with coupled noise (``rl.coupled_noise``: Gumbel noise per rollout row and token position), so a speculative
+rollout of a seed and step emits the plain arm's tokens whenever the policies are the same (up to float
+rounding at near-ties): over training the arms must then stay identical, sample for sample.
   ``plain``: ``generate``;
   ``speculative``: ``rl.speculative`` on every step (``cost_model = False``), the drafter distilled to the
     policy after every update;
   ``cost_model``: ``rl.speculative`` with the cost model deciding each step;
   ``ppow_refresh``: ``rl.speculative`` on every step, the drafter refreshed by PPOW (window-level RL on the
     step's rollouts, the updated policy as the target) every ``ppow_refresh_every`` steps instead of distilled
-    after every update.
+    after every update;
+  ``residual``: as ``speculative``, with the residual method's verification and per-step noise
+    (``rl.coupled_noise = False``): its higher acceptance, and samples no longer paired with ``plain``'s.
 
 Sizes: ``cpu`` (default) and ``tiny`` (a ``configs/stdlib_speculative.py:tiny`` workdir, for the tests).
 """
@@ -25,7 +30,7 @@ from ml_collections import config_dict
 
 from lemon_rl.training.base_config import get_base_config
 
-ARMS = ("plain", "speculative", "cost_model", "ppow_refresh")
+ARMS = ("plain", "speculative", "cost_model", "ppow_refresh", "residual")
 
 
 def get_config(size: str = "cpu") -> config_dict.ConfigDict:
@@ -46,7 +51,8 @@ def get_config(size: str = "cpu") -> config_dict.ConfigDict:
       prompts_per_step=2, num_generations=4,  # Rollout batch 8: where speculation pays on a 2-core CPU.
       max_new_tokens=96, temperature=1.0, top_k=0, top_p=1.0,
       learning_rate=1e-4, warmup_steps=0, minibatch_size=0, microbatch_size=8, num_iterations=1,
-      advantage_estimator="grpo", kl_coef=0.0, entropy_coef=0.0, steps=40))
+      advantage_estimator="grpo", kl_coef=0.0, entropy_coef=0.0, steps=40,
+      coupled_noise=True))  # Every arm but `residual` (see the module docstring).
   c.rl.speculative.update(dict(
       drafter="eagle", num_draft=1, distill_steps_per_rl_step=1, learning_rate=1e-4, probe_size=8,
       min_probe_acceptance=0.05, acceptance_decay=0.5))

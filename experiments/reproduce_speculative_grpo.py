@@ -23,7 +23,8 @@ One throwaway warm-up run per arm compiles everything first, so the timed runs c
 order of the arms rotates from seed to seed, so no arm always runs first after an evaluation. Per step
 the trainer's metrics are kept: reward, ``time/sample_s`` (the rollout's sampling), the step's wall time
 (rollout, update and, for the speculative arms, the drafter's refit), ``rollout/tau``,
-``rollout/speculative_on``.
+``rollout/speculative_on``, and a digest of the rollout's tokens (``rollout_sha``: the coupled arms' steps
+are compared with plain's sample for sample).
 
 *Evaluation.* Every final policy on the test prompts with plain ``generate`` (not the arm's sampler) and the
 same key: mean reward at temperature 1 (``eval.samples_per_prompt`` samples) and greedy validity.
@@ -56,7 +57,7 @@ from experiments.reports import speculative_grpo as report
 flags.DEFINE_string("workdir", None, "Directory of cached runs.")
 flags.DEFINE_string("init_from", None, "A finished experiments/train_speculative.py workdir (read only).")
 flags.DEFINE_string("seeds", "0,1,2", "Comma-separated seeds.")
-flags.DEFINE_string("arms", "plain,speculative,cost_model,ppow_refresh",
+flags.DEFINE_string("arms", "plain,speculative,cost_model,ppow_refresh,residual",
                     "Comma-separated arms (configs/speculative_grpo.py).")
 flags.DEFINE_integer("steps", 0, "GRPO steps per run (0 = the config's rl.steps).")
 flags.DEFINE_string("size", "cpu", "configs/speculative_grpo.py size: cpu or tiny.")
@@ -132,6 +133,8 @@ class Setup:
     cfg = self.config.rl.copy_and_resolve_references()
     cfg.speculative.enabled = arm != "plain"
     cfg.speculative.cost_model = arm == "cost_model"
+    if arm == "residual":
+      cfg.coupled_noise = False
     if arm == "ppow_refresh":
       cfg.speculative.update(refresh="ppow", refresh_every=int(self.config.ppow_refresh_every))
     cfg.speculative.seed = seed
@@ -203,12 +206,22 @@ def train_arm(setup: Setup, arm: str, seed: int, steps: int) -> tuple[dict, obje
   curve = []
   for step in range(1, steps + 1):
     t0 = time.perf_counter()
-    state, metrics, _ = trainer.step(state, setup.prompts(seed, step))
+    state, metrics, rollout = trainer.step(state, setup.prompts(seed, step))
     jax.block_until_ready(state.params)
-    row = {"step": step, "step_s": time.perf_counter() - t0}
+    row = {"step": step, "step_s": time.perf_counter() - t0, "rollout_sha": rollout_digest(rollout)}
     row.update({k: float(metrics[k]) for k in KEPT_METRICS if k in metrics})
     curve.append(row)
   return {"arm": arm, "seed": seed, "steps": steps, "curve": curve}, jax.device_get(state.params)
+
+
+def rollout_digest(rollout) -> str:
+  """SHA-256 of a rollout's token ids and mask: equal digests of two arms' step = the same samples."""
+  import hashlib  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  digest = hashlib.sha256()
+  for key in ("ids", "attention_mask"):
+    digest.update(np.ascontiguousarray(rollout.batch[key], np.int32).tobytes())
+  return digest.hexdigest()
 
 
 def cached(path: str, compute):

@@ -123,7 +123,7 @@ def test_drafts_are_the_drafters_chain_and_its_distribution(data):
 @functools.partial(jax.jit, static_argnames=("drafter_def",))
 def _engine_propose(drafter_def, drafter_vars, state, last):
   """The engine's greedy proposal call (temperature the Python 0, as ``speculative._decode`` passes it)."""
-  return nnx.merge(drafter_def, drafter_vars).propose(state, last, jax.random.key(0), K, 0, 0, 1.0)[0]
+  return nnx.merge(drafter_def, drafter_vars).propose(state, last, None, K, 0, 0, 1.0)[0]
 
 
 def test_greedy_draft_equals_the_engines(data):

@@ -11,8 +11,8 @@ from flax import nnx
 from scipy import stats
 
 from lemon_rl.models import Transformer, get_preset
-from lemon_rl.sampling import (compare_greedy, generate, sampling_log_probs, sampling_logits, speculative,
-                               speculative_generate)
+from lemon_rl.sampling import (compare_coupled, compare_greedy, generate, sampling_log_probs, sampling_logits,
+                               speculative, speculative_generate)
 from lemon_rl.sampling.sampler import prompt_bucket, right_pad
 
 # Untied embeddings and a larger initialiser than the preset's so that greedy paths of these random models
@@ -214,24 +214,58 @@ def test_sampling_is_lossless_and_resampling_from_p_is_not(small_models):
   compiled, shapes = speculative._loop._cache_size(), set()
   for s, (temperature, top_k, top_p) in enumerate(SETTINGS):
     exact = np.asarray(_exact_joints(logits, starts, temperature, top_k, top_p, window=WINDOW), np.float64)
-    for residual in (True, False):  # one compiled loop: the flag is traced
+    # The residual method, its lossy variant (one compiled loop: the flag is traced), Gumbel coupling.
+    for residual, coupled in ((True, False), (False, False), (True, True)):
       out = speculative_generate(target, drafter, prompts, WINDOW, jax.random.key(100 + s), num_draft=K6,
                                  temperature=temperature, top_k=top_k, top_p=top_p, min_prompt_bucket=4,
-                                 resample_from_residual=residual)
+                                 resample_from_residual=residual, coupled=coupled)
       assert (out.lengths == WINDOW).all()
-      shapes.update((top_k > 0 or top_p < 1, b) for b in _compaction_batches(out.stats.target_forwards))
+      shapes.update((top_k > 0 or top_p < 1, coupled, b) for b in _compaction_batches(out.stats.target_forwards))
       # q is far from p: the first draft is rejected in about half of the windows or more.
       assert out.stats.acceptance_rate_per_position[0] < 0.6
       for i in range(len(SMALL_PROMPTS)):
         p_value = _chi_square_p_value(out.tokens[i * ROWS:(i + 1) * ROWS], exact[i], target.cfg.vocab_size)
-        setting = f"T={temperature} top_k={top_k} top_p={top_p} prompt {i}"
+        setting = f"T={temperature} top_k={top_k} top_p={top_p} prompt {i} coupled={coupled}"
         if residual:
           assert p_value > alpha, f"lossless sampling rejected at {setting}: p={p_value:.2e}"
         else:
           assert p_value < alpha, f"the lossy variant passed at {setting}: p={p_value:.2e}"
-  # Temperature, top-k, top-p and the residual flag are traced: one compile per (filtered or not, batch size
-  # the compaction ran at).
+  # Temperature, top-k, top-p and the residual flag are traced: one compile per (filtered or not, coupled or
+  # not, batch size the compaction ran at).
   assert speculative._loop._cache_size() == compiled + len(shapes)
+
+
+COUPLED_SETTINGS = [(1.0, 0, 1.0), (0.8, 4, 0.9)]
+
+
+def test_coupled_sampling_emits_plain_coupled_sampling_tokens_whatever_the_drafter(target, drafters,
+                                                                                   greedy_reference):
+  """Gumbel coupling: speculative output == ``generate(coupled=True)`` for the key, for any drafter.
+
+  Tie rule as for greedy decoding (TIE_GAP), on the perturbed logits ``sampling_logits + noise`` whose
+  argmax both paths take (:func:`compare_coupled`); for these seeds there are none (asserted)."""
+  eos, _ = greedy_reference
+  for s, (temperature, top_k, top_p) in enumerate(COUPLED_SETTINGS):
+    key = jax.random.key(40 + s)
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_ids=eos)
+    ref = generate(target, PROMPTS, N, key, coupled=True, **sampling)
+    assert 0 < ref.finish_reasons.count("eos") < len(PROMPTS)
+    # The noise belongs to (key, row, position): other prompts in the other rows change nothing in a row,
+    # and without coupling the same key gives other tokens.
+    others = generate(target, PROMPTS[:4] + PROMPTS[:3:-1], N, key, coupled=True, **sampling)
+    np.testing.assert_array_equal(others.tokens[:4], ref.tokens[:4])
+    assert (generate(target, PROMPTS, N, key, **sampling).tokens != ref.tokens).any()
+    acceptance = {}
+    for name, drafter in drafters.items():
+      out = speculative_generate(target, drafter, PROMPTS, N, key, num_draft=K, coupled=True, **sampling)
+      agreement = compare_coupled(target, PROMPTS, out, ref, TIE_GAP, key, temperature, top_k, top_p)
+      assert not agreement.mismatches and not agreement.near_ties, (name, agreement)
+      assert agreement.identical == len(PROMPTS)
+      np.testing.assert_allclose(out.log_probs, ref.log_probs, atol=1e-5)
+      acceptance[name] = out.stats.accepted.sum() / out.stats.drafted.sum()
+    # The target as its own drafter draws the target's tokens: every draft is accepted.
+    assert acceptance["identical"] == 1
+    assert acceptance["unrelated"] < acceptance["noisy"] < 1
 
 
 # -- rollback and log-probs ---------------------------------------------------------------------------

@@ -174,7 +174,7 @@ def saved(tiny_speculative_run, tmp_path_factory):
   results = str(out / "results.json")
   subprocess.run([sys.executable, "-m", "experiments.reproduce_speculative_grpo", f"--workdir={out / 'work'}",
                   f"--init_from={tiny_speculative_run[0]}", "--size=tiny", "--seeds=0,1", "--steps=2",
-                  "--arms=plain,speculative,ppow_refresh", f"--results_file={results}"], cwd=ROOT, check=True,
+                  "--arms=plain,speculative,ppow_refresh,residual", f"--results_file={results}"], cwd=ROOT, check=True,
                  capture_output=True)
   with open(results) as f:
     return json.load(f)
@@ -182,7 +182,8 @@ def saved(tiny_speculative_run, tmp_path_factory):
 
 def test_reproduction_structure_and_report(saved):
   assert sorted((r["arm"], r["seed"]) for r in saved["runs"]) == [
-      ("plain", 0), ("plain", 1), ("ppow_refresh", 0), ("ppow_refresh", 1), ("speculative", 0), ("speculative", 1)]
+      ("plain", 0), ("plain", 1), ("ppow_refresh", 0), ("ppow_refresh", 1), ("residual", 0), ("residual", 1),
+      ("speculative", 0), ("speculative", 1)]
   for r in saved["runs"]:
     assert len(r["curve"]) == 2 and all(row["step_s"] > 0 and row["time/sample_s"] > 0 for row in r["curve"])
     assert 0.0 <= r["test"]["reward_t1"] <= 1.0 and 0.0 <= r["test"]["reward_greedy"] <= 1.0
@@ -205,9 +206,17 @@ def test_reproduction_structure_and_report(saved):
   for c, key in zip(family, ("reward_t1", "reward_greedy")):
     by = {(r["arm"], r["seed"]): r["test"][key] for r in saved["runs"]}
     assert list(c.differences) == [by["speculative", s] - by["plain", s] for s in (0, 1)]
+  # Coupled noise: the speculative arms sample plain's tokens on every step, so they train the same policy;
+  # the residual method with per-step noise samples other tokens.
+  by = {(r["arm"], r["seed"]): r["test"] for r in saved["runs"]}
+  for arm in ("speculative", "ppow_refresh"):
+    assert report.same_samples(saved, arm) == (4, 4)
+    assert all(by[arm, s] == by["plain", s] for s in (0, 1))
+  assert report.same_samples(saved, "residual")[0] < 4
   plain = sum(row["time/sample_s"] for r in saved["runs"] if r["arm"] == "plain" for row in r["curve"])
   spec = sum(row["time/sample_s"] for r in saved["runs"] if r["arm"] == "speculative" for row in r["curve"])
   assert report.total_ratio(saved, "speculative", "time/sample_s") == pytest.approx(plain / spec)
   text = report.render(saved)
   assert "| speculative | 2 |" in text and "TOST" in text and "target is" in text
+  assert "| 4/4 |" in text and "coupled noise" in text and "`residual` speculates" in text
   assert "PPOW refreshes (every 2 steps, 1 PPOW updates each)" in text

@@ -295,14 +295,16 @@ def _run(tok, cfg, steps, seed=0, before_step=None):
   return trainer, state, history
 
 
-def test_greedy_grpo_rollouts_and_parameters_are_identical_with_speculation(tok, batch_estimator):
-  """Greedy sampling, batch-normalised advantages (the policy moves every step), an EAGLE head distilled to
-  the policy every step: the rollouts are token-identical on every step and the final parameters are equal.
+@pytest.mark.parametrize("temperature, coupled", [(0.0, False), (1.0, True)], ids=["greedy", "coupled-T1"])
+def test_grpo_rollouts_and_parameters_are_identical_with_speculation(tok, batch_estimator, temperature, coupled):
+  """Greedy sampling, or temperature 1 with coupled noise (``rl.coupled_noise``); batch-normalised
+  advantages (the policy moves every step), an EAGLE head distilled to the policy every step: the rollouts
+  are token-identical on every step and the final parameters are equal.
 
   Both runs execute the same update on the same tokens; only ``sampler_logp`` (unused without TIS, dropped
   by the trainer) could differ, so the parameters are compared exactly."""
   steps = 3
-  base = dict(temperature=0.0, advantage_estimator=batch_estimator)
+  base = dict(temperature=temperature, coupled_noise=coupled, advantage_estimator=batch_estimator)
   _, plain_state, plain = _run(tok, rl_section(**base), steps)
   trainer, spec_state, spec = _run(tok, rl_section(**base, speculative=dict(
       enabled=True, drafter="eagle", num_draft=3, cost_model=False, learning_rate=1e-2)), steps)
@@ -316,7 +318,7 @@ def test_greedy_grpo_rollouts_and_parameters_are_identical_with_speculation(tok,
     assert 0.0 <= mb["rollout/acceptance"] <= 1.0 and "rollout/accept_pos_2" in mb
     assert mb["drafter/param_change"] > 0 and mb["drafter/probe_acceptance"] > 0
     assert mb["drafter/probe_tau"] == pytest.approx(1 + 3 * mb["drafter/probe_acceptance"])
-  # The moving policy changes its greedy rollouts from step to step: the drafter has a moving target.
+  # The moving policy changes its rollouts from step to step: the drafter has a moving target.
   assert all((plain[k][0].batch["ids"] != plain[k + 1][0].batch["ids"]).any() for k in range(steps - 1))
   moved = jax.tree.leaves(jax.tree.map(lambda x, y: float(jnp.abs(x - y).max()), initial, plain_state.params))
   assert max(moved) > 1e-3

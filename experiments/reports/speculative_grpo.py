@@ -69,6 +69,16 @@ def total_ratio(saved: Mapping[str, Any], arm: str, key: str) -> float:
   return (sum(x[key] for p, _ in pairs for x in p["curve"]) / sum(y[key] for _, a in pairs for y in a["curve"]))
 
 
+def same_samples(saved: Mapping[str, Any], arm: str) -> tuple[int, int] | None:
+  """``(steps whose rollout equals plain's, steps compared)`` over the seeds both ran, from the per-step
+  ``rollout_sha``; ``None`` for runs recorded without it."""
+  pairs = _pairs(saved, arm)
+  rows = [(x.get("rollout_sha"), y.get("rollout_sha")) for p, a in pairs for x, y in zip(p["curve"], a["curve"])]
+  if not rows or any(x is None or y is None for x, y in rows):
+    return None
+  return sum(x == y for x, y in rows), len(rows)
+
+
 def _arm_row(saved: Mapping[str, Any], arm: str) -> str:
   runs = [r for r in saved["runs"] if r["arm"] == arm]
   curve = [row for r in runs for row in r["curve"]]
@@ -78,10 +88,11 @@ def _arm_row(saved: Mapping[str, Any], arm: str) -> str:
   cols = [f"{len(runs)}", format_mean_ci([r["test"]["reward_t1"] for r in runs]),
           format_mean_ci([r["test"]["reward_greedy"] for r in runs]), format_mean_ci(last)]
   if arm == "plain":
-    cols += ["-", "-", "1", "1", "-"]
+    cols += ["-", "-", "-", "1", "1", "-"]
   else:
     step, sample = step_ratios(saved, arm, "step_s"), step_ratios(saved, arm, "time/sample_s")
-    cols += [f"{len(on)}/{len(curve)}", tau,
+    same = same_samples(saved, arm)
+    cols += [f"{len(on)}/{len(curve)}", "-" if same is None else f"{same[0]}/{same[1]}", tau,
              f"{total_ratio(saved, arm, 'time/sample_s'):.2f}x (median {np.median(sample):.2f}x)",
              f"{total_ratio(saved, arm, 'step_s'):.2f}x (median {np.median(step):.2f}x)",
              f"{int((step < 1).sum())}/{step.size} (min {step.min():.2f}x)"]
@@ -94,8 +105,9 @@ def render(saved: Mapping[str, Any]) -> str:
   checks = "; ".join(f"{x['statistic']} {x['value']:.3f} ({x['bound']} {x['threshold']:g}: "
                      f"{'pass' if x['passed'] else 'FAIL'})" for x in gate["checks"])
   rows = ["| arm | seeds | test reward T=1 | test validity greedy | train reward, last 10 steps | "
-          "speculative steps | tau | rollout speedup | step speedup | steps slower than plain |",
-          "|---|---|---|---|---|---|---|---|---|---|"]
+          "speculative steps | steps with plain's samples | tau | rollout speedup | step speedup | "
+          "steps slower than plain |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
   rows += [_arm_row(saved, arm) for arm in saved["arms"]]
   results = holm_equivalence(equivalence_family(saved), saved["margin"], saved["family_alpha"])
   eq_rows = ["| comparison | seeds | mean difference | interval | TOST p | Holm-adjusted p | verdict |",
@@ -122,6 +134,12 @@ def render(saved: Mapping[str, Any]) -> str:
       f"the measured costs predict a gain"
       + (f"; `ppow_refresh` drafts on every step with the drafter refreshed by PPOW every "
          f"{c['ppow_refresh_every']} steps instead" if "ppow_refresh" in saved["arms"] else "")
+      + (". Rollouts sample with coupled noise (`rl.coupled_noise`: Gumbel noise per row and token "
+         "position, `lemon_rl.sampling.distribution.coupled_noise`), so a speculative rollout of a seed and "
+         "step emits plain's tokens while the policies agree; *steps with plain's samples* counts the steps "
+         "whose rollout token ids equal plain's (SHA-256)" if rl.get("coupled_noise") else "")
+      + ("; `residual` speculates on every step with the residual method's verification and per-step noise "
+         "(not coupled)" if "residual" in saved["arms"] else "")
       + ". Test evaluation with plain `generate`, the same key for every arm: "
       f"{c['eval']['samples_per_prompt']} samples per test prompt at T=1 and one greedy. Speedups are "
       f"`plain / arm` of the total seconds over the same seeds and steps (after a warm-up run compiled "

@@ -46,7 +46,7 @@ from lemon_rl.models.config import ModelConfig
 from lemon_rl.models.transformer import (KVCache, Transformer, cache_keys, cache_values, causal_attention,
                                          grouped_attention, init_param, rms_norm, rope_inverse_frequencies,
                                          rope_tables, rotate, write_rows)
-from lemon_rl.sampling.speculative import draw
+from lemon_rl.sampling.speculative import draw, noise_at, noise_steps
 
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -322,8 +322,8 @@ class EagleDrafter(nnx.Module):
   def _embed(self, tokens: jax.Array) -> jax.Array:
     return self.target.embed_tokens(tokens).reshape(*tokens.shape, -1)
 
-  def _draw(self, hidden, key, temperature, top_k, top_p):
-    return draw(self.target.logits_from_hidden(self.head.normed(hidden)), key, temperature, top_k, top_p)
+  def _draw(self, hidden, noise, temperature, top_k, top_p):
+    return draw(self.target.logits_from_hidden(self.head.normed(hidden)), noise, temperature, top_k, top_p)
 
   def prefill(self, input_ids, attention_mask, num_slots, *, target_features, num_draft) -> EagleDraftState:
     """Entries ``0..P-2`` of each prompt into the cache; entry ``P-1`` (needs the first token) pending."""
@@ -338,7 +338,7 @@ class EagleDrafter(nnx.Module):
     zeros = jnp.zeros((b, num_draft), jnp.int32)
     return EagleDraftState(cache, features, zeros, jnp.ones((b,), jnp.int32), zeros, cache.lengths)
 
-  def propose(self, state: EagleDraftState, last, key, num_draft, temperature, top_k, top_p):
+  def propose(self, state: EagleDraftState, last, noise, num_draft, temperature, top_k, top_p):
     if state.tokens.shape[1] != num_draft:
       raise ValueError(f"the state was prefilled for {state.tokens.shape[1]} drafts, not {num_draft}")
     n = state.num_pending
@@ -347,16 +347,16 @@ class EagleDrafter(nnx.Module):
     tokens = jnp.where(slots == (n - 1)[:, None], last[:, None], tokens)
     out, cache = self.head.extend(state.features, self._embed(tokens), state.cache, num_new=n)
     hidden = jnp.take_along_axis(out, (n - 1)[:, None, None], axis=1)[:, 0]
-    keys = jax.random.split(key, num_draft)
-    token, q = self._draw(hidden, keys[0], temperature, top_k, top_p)
+    token, q = self._draw(hidden, noise_at(noise, 0), temperature, top_k, top_p)
 
-    def step(carry, key):
+    def step(carry, noise):
       cache, hidden, token = carry
       out, cache = self.head.extend(hidden[:, None], self._embed(token[:, None]), cache)
-      token, q = self._draw(out[:, 0], key, temperature, top_k, top_p)
+      token, q = self._draw(out[:, 0], noise, temperature, top_k, top_p)
       return (cache, out[:, 0], token), (token, q)
 
-    (cache, _, _), (rest, qs) = jax.lax.scan(step, (cache, hidden, token), keys[1:])
+    (cache, _, _), (rest, qs) = jax.lax.scan(step, (cache, hidden, token), noise_steps(noise),
+                                             length=num_draft - 1)
     drafts = jnp.concatenate([token[:, None], rest.T], axis=1)
     if q is not None:
       q = jnp.concatenate([q[:, None], qs.transpose(1, 0, 2)], axis=1)

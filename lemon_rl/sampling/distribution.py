@@ -133,13 +133,33 @@ def sampling_log_probs(logits: jax.Array, tokens: jax.Array, temperature: Scalar
   return _log_probs_from(tempered, _filtered(tempered, temperature, top_k, top_p), tokens)
 
 
-def sample(logits: jax.Array, key: jax.Array, temperature: Scalar = 1.0, top_k: Scalar = 0,
-           top_p: Scalar = 1.0) -> tuple[jax.Array, jax.Array]:
+def coupled_noise(rng: jax.Array, rows: jax.Array, positions: jax.Array, vocab_size: int) -> jax.Array:
+  """Gumbel noise ``[B, L, V]`` of completion token ``positions[b, l]`` of row ``rows[b]``.
+
+  ``rows [B]`` and ``positions [B, L]`` are int32; entry ``(b, l)`` is
+  ``Gumbel(fold_in(fold_in(rng, rows[b]), positions[b, l]), (V,))``: it depends on the key, the row and
+  the position only, never on the batch it is computed in or on the previous tokens. A sampler that draws
+  token ``i`` of row ``b`` as ``argmax(sampling_logits + noise)`` with this noise (Gumbel-max) samples
+  exactly from :func:`sampling_logits`, and two such samplers (plain decoding, speculative decoding with
+  any drafter) emit the same tokens from the same logits: the coupling of ``generate(..., coupled=True)``
+  and ``speculative_generate(..., coupled=True)``.
+  """
+  def row_noise(row, row_positions):
+    row_key = jax.random.fold_in(rng, row)
+    return jax.vmap(lambda i: jax.random.gumbel(jax.random.fold_in(row_key, i), (vocab_size,)))(row_positions)
+
+  return jax.vmap(row_noise)(rows, positions)
+
+
+def sample(logits: jax.Array, key: jax.Array | None, temperature: Scalar = 1.0, top_k: Scalar = 0,
+           top_p: Scalar = 1.0, noise: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """Draws one token per row of ``logits [..., V]``; returns ``(tokens [...] int32, log_probs [...])``.
 
   Greedy (``temperature`` 0) takes the argmax; otherwise a categorical draw from
-  :func:`sampling_logits`. The log-probs are :func:`sampling_log_probs` of the drawn tokens (computed from
-  the same filtered logits, not recomputed).
+  :func:`sampling_logits`: ``argmax(sampling_logits + Gumbel noise)``, the noise drawn from ``key`` (as
+  ``jax.random.categorical`` draws it) or given as ``noise [..., V]`` (e.g. :func:`coupled_noise`; ``key``
+  is then unused). The log-probs are :func:`sampling_log_probs` of the drawn tokens (computed from the
+  same filtered logits, not recomputed).
   """
   tempered = _tempered(logits, temperature)
   filtered = _filtered(tempered, temperature, top_k, top_p)
@@ -147,7 +167,9 @@ def sample(logits: jax.Array, key: jax.Array, temperature: Scalar = 1.0, top_k: 
   if t == 0:
     tokens = jnp.argmax(tempered, axis=-1).astype(jnp.int32)
   else:
-    tokens = jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
+    if noise is None:
+      noise = jax.random.gumbel(key, filtered.shape, filtered.dtype)
+    tokens = jnp.argmax(noise + filtered, axis=-1).astype(jnp.int32)
     if t is None:  # traced: greedy rows of a traced temperature 0
       tokens = jnp.where(jnp.asarray(temperature) <= 0, jnp.argmax(tempered, axis=-1), tokens).astype(jnp.int32)
   return tokens, _log_probs_from(tempered, filtered, tokens)

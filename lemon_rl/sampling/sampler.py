@@ -137,19 +137,23 @@ def _prefill_shared(graphdef, state, ids, mask, rows, num_slots):
   return logits, KVCache(keys, values, cache.lengths)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "filtering"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "filtering", "coupled"),
                    donate_argnames=("cache",))
 def _decode(graphdef, state, cache: KVCache, logits, rng, temperature, top_k, top_p, eos_ids, pad_id,
-            *, max_new_tokens, greedy, filtering):
+            *, max_new_tokens, greedy, filtering, coupled=False):
   """The decode loop from a prefilled cache; ``logits [B, V]`` are those of each row's last token.
+
+  ``coupled``: token ``i`` of row ``b`` uses ``distribution.coupled_noise(rng, b, i)`` (``rng`` is then
+  never split); otherwise one key per step is split from ``rng`` for the whole batch.
 
   Returns ``(tokens [B, N], log_probs [B, N], done [B], num_generated [B], cache)``. A row appends its
   tokens up to and including its EOS and then stops growing, so the returned cache holds exactly
   prompt + completion (``cache.lengths = prompt lengths + num_generated``).
   """
   model = nnx.merge(graphdef, state)
-  batch = logits.shape[0]
+  batch, vocab = logits.shape
   prompt_lengths = cache.lengths
+  row_ids = jnp.arange(batch, dtype=jnp.int32)
   if greedy:
     temperature, top_k, top_p = 0.0, 0, 1.0
   elif not filtering:
@@ -161,8 +165,12 @@ def _decode(graphdef, state, cache: KVCache, logits, rng, temperature, top_k, to
 
   def body(carry):
     i, logits, cache, out_tokens, out_logp, done, rng = carry
-    rng, key = jax.random.split(rng)
-    token, logp = distribution.sample(logits, key, temperature, top_k, top_p)
+    if coupled and not greedy:
+      noise = distribution.coupled_noise(rng, row_ids, jnp.full((batch, 1), i), vocab)[:, 0]
+      token, logp = distribution.sample(logits, None, temperature, top_k, top_p, noise=noise)
+    else:
+      rng, key = jax.random.split(rng)
+      token, logp = distribution.sample(logits, key, temperature, top_k, top_p)
     token = jnp.where(done, pad_id, token)
     out_tokens = out_tokens.at[:, i].set(token)
     out_logp = out_logp.at[:, i].set(jnp.where(done, 0.0, logp))
@@ -179,7 +187,7 @@ def _decode(graphdef, state, cache: KVCache, logits, rng, temperature, top_k, to
 def generate(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int, rng: jax.Array,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
              eos_ids: int | Sequence[int] | None = None, pad_id: int = 0,
-             min_prompt_bucket: int = 16, share_prefixes: bool = True) -> SampleOutput:
+             min_prompt_bucket: int = 16, share_prefixes: bool = True, coupled: bool = False) -> SampleOutput:
   """Samples completions for a batch of prompts of different lengths.
 
   Args:
@@ -197,6 +205,11 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], max_new_token
     share_prefixes: when some prompts repeat, prefill each distinct prompt once and share its cache
       across its rows (module docstring); ``False`` prefills every row (the reference path). Same tokens
       for the same key either way, log-probs equal up to float32 rounding.
+    coupled: draw token ``i`` of row ``b`` (its index in ``prompts``) with the Gumbel noise
+      :func:`lemon_rl.sampling.distribution.coupled_noise` ``(rng, b, i)``: the same distribution, and the
+      same tokens as ``speculative_generate(..., coupled=True)`` for the same key with any drafter (up to
+      float rounding of the logits), and as this call with other prompts in the other rows. ``False``
+      (the default) splits one key per decode step for the whole batch.
 
   The sampling distribution and the reported log-probs are those of
   :func:`lemon_rl.sampling.distribution.sampling_log_probs` with the same ``temperature, top_k, top_p``.
@@ -233,7 +246,8 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], max_new_token
   tokens, logp, done, lengths, _ = _decode(
       graphdef, state, cache, logits, rng, jnp.float32(max(temperature, 1e-6)), jnp.int32(top_k),
       jnp.float32(top_p), jnp.asarray(eos), jnp.int32(pad_id),
-      max_new_tokens=max_new_tokens, greedy=greedy, filtering=not greedy and (top_k > 0 or top_p < 1))
+      max_new_tokens=max_new_tokens, greedy=greedy, filtering=not greedy and (top_k > 0 or top_p < 1),
+      coupled=bool(coupled))
   # This process's rows (never a read of rows another process holds), without the padding rows.
   tokens, logp, done, lengths = (x[:num_prompts] for x in distributed.to_local((tokens, logp, done, lengths)))
   lengths = lengths.astype(np.int32)

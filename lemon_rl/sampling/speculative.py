@@ -35,6 +35,13 @@ prompt and ``y_1..y_{g-1}``; ``y_g`` is pending (the ``x`` of the next iteration
 (model graphs, batch, prompt bucket, max new tokens, ``K``, sampling mode, number of EOS ids); the
 temperature, top-k and top-p values are traced.
 
+Coupled sampling (``coupled=True``, :func:`verify_coupled`): every completion position of every row has its
+own Gumbel noise (:func:`lemon_rl.sampling.distribution.coupled_noise`), which the drafter uses for its draft
+at that position and the target for its token there; a draft is accepted iff it equals the target's token.
+The output is then the plain sampler's ``generate(..., coupled=True)`` for the same key, token for token,
+whatever the drafter (a speculative rollout and a plain one can be compared sample by sample), at a lower
+acceptance than the residual method's.
+
 Rows advance at different rates (each accepts as many drafts as it does), so a batch would run at full cost
 until its slowest row is done. Whenever at most half of the rows are still active the loop returns, and it
 continues on a batch of half the size holding them (one gather of every state; finished rows fill the rest),
@@ -68,17 +75,40 @@ def _is_greedy(temperature) -> bool:
   return isinstance(temperature, (int, float)) and temperature == 0
 
 
-def draw(logits: jax.Array, key: jax.Array, temperature, top_k, top_p) -> tuple[jax.Array, jax.Array | None]:
+def draft_noise(key: jax.Array, batch: int, num_draft: int, vocab_size: int, temperature) -> jax.Array | None:
+  """Independent Gumbel noise ``[B, K, V]`` for one proposal (``None`` for greedy decoding).
+
+  Draft position ``j`` gets ``Gumbel(split(key, K)[j], (B, V))``, so :func:`draw` with it is the
+  categorical draw ``jax.random.categorical(split(key, K)[j], q)``.
+  """
+  if _is_greedy(temperature):
+    return None
+  keys = jax.random.split(key, num_draft)
+  return jnp.stack([jax.random.gumbel(k, (batch, vocab_size)) for k in keys], axis=1)
+
+
+def draw(logits: jax.Array, noise: jax.Array | None, temperature, top_k, top_p) -> tuple[jax.Array, jax.Array | None]:
   """One draft token per row of ``logits [..., V]`` and the distribution it was drawn from.
 
-  Returns ``(tokens [...] int32, q)``: for greedy decoding (static ``temperature == 0``) the argmax and
-  ``q = None``; otherwise a categorical draw from ``q = sampling_logits(logits, temperature, top_k,
-  top_p)`` (float32 ``[..., V]``, ``-inf`` outside the kept set), exactly as the sampler draws.
+  Returns ``(tokens [...] int32, q)``: for greedy decoding (static ``temperature == 0``; ``noise`` is then
+  ``None``) the argmax and ``q = None``; otherwise the Gumbel-max draw ``argmax(q + noise)`` from ``q =
+  sampling_logits(logits, temperature, top_k, top_p)`` (float32 ``[..., V]``, ``-inf`` outside the kept
+  set), exactly as the sampler draws; ``noise [..., V]`` is this position's Gumbel noise.
   """
   if _is_greedy(temperature):
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
   q = distribution.sampling_logits(logits, temperature, top_k, top_p)
-  return jax.random.categorical(key, q, axis=-1).astype(jnp.int32), q
+  return jnp.argmax(noise + q, axis=-1).astype(jnp.int32), q
+
+
+def noise_steps(noise: jax.Array | None) -> jax.Array | None:
+  """``noise [B, K, V]`` of draft positions ``1..K-1`` as ``[K - 1, B, V]`` scan inputs (``None`` stays)."""
+  return None if noise is None else jnp.moveaxis(noise[:, 1:], 1, 0)
+
+
+def noise_at(noise: jax.Array | None, j: int) -> jax.Array | None:
+  """``noise[:, j]`` (``None`` stays ``None``)."""
+  return None if noise is None else noise[:, j]
 
 
 class Drafter(Protocol):
@@ -104,12 +134,15 @@ class Drafter(Protocol):
     drafters also receive ``target_features`` and ``num_draft`` (see the class docstring).
     """
 
-  def propose(self, state: Any, last: jax.Array, key: jax.Array, num_draft: int, temperature, top_k,
+  def propose(self, state: Any, last: jax.Array, noise: jax.Array | None, num_draft: int, temperature, top_k,
               top_p) -> tuple[jax.Array, jax.Array | None, Any]:
     """Drafts ``K`` tokens after ``last [B]`` (each row's last emitted token, not yet given to ``state``).
 
+    ``noise [B, K, V]`` is the Gumbel noise of each draft position (``None`` for greedy decoding): draft
+    ``j`` is :func:`draw` of its logits with ``noise[:, j]``, so the engine decides the random numbers (the
+    coupled engine hands the drafter the noise the target's tokens at those positions will use).
     Returns ``(drafts [B, K] int32, q [B, K, V] | None, state)`` with ``q[:, j]`` the sampling logits
-    ``drafts[:, j]`` was drawn from (use :func:`draw`); ``None`` for greedy decoding (``temperature`` is
+    ``drafts[:, j]`` was drawn from; ``None`` for greedy decoding (``temperature`` is
     then the Python number 0 and the drafts are argmaxes). Inactive (finished) rows may be drafted for
     too; the engine ignores them and passes ``num_kept = 0`` for them to :meth:`rollback`.
     """
@@ -171,22 +204,21 @@ class ModelDrafter(nnx.Module):
     b = input_ids.shape[0]
     return ModelDraftState(cache, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), cache.lengths)
 
-  def propose(self, state: ModelDraftState, last, key, num_draft, temperature, top_k, top_p):
+  def propose(self, state: ModelDraftState, last, noise, num_draft, temperature, top_k, top_p):
     model = self.model
     base = state.cache.lengths
     first = jnp.stack([jnp.where(state.has_carry, state.carry, last), last], axis=1)
     hidden, cache = model.extend(first, state.cache, num_new=1 + state.has_carry.astype(jnp.int32))
     h = jnp.where(state.has_carry[:, None], hidden[:, 1], hidden[:, 0])
-    keys = jax.random.split(key, num_draft)
-    token, q = draw(model.logits_from_hidden(h), keys[0], temperature, top_k, top_p)
+    token, q = draw(model.logits_from_hidden(h), noise_at(noise, 0), temperature, top_k, top_p)
 
-    def step(carry, key):
+    def step(carry, noise):
       cache, token = carry
       hidden, cache = model.extend(token[:, None], cache)
-      token, q = draw(model.logits_from_hidden(hidden[:, 0]), key, temperature, top_k, top_p)
+      token, q = draw(model.logits_from_hidden(hidden[:, 0]), noise, temperature, top_k, top_p)
       return (cache, token), (token, q)
 
-    (cache, _), (tokens, qs) = jax.lax.scan(step, (cache, token), keys[1:])
+    (cache, _), (tokens, qs) = jax.lax.scan(step, (cache, token), noise_steps(noise), length=num_draft - 1)
     drafts = jnp.concatenate([token[:, None], tokens.T], axis=1)
     if q is not None:
       q = jnp.concatenate([q[:, None], qs.transpose(1, 0, 2)], axis=1)
@@ -318,6 +350,35 @@ def verify(logits: jax.Array, drafts: jax.Array, q: jax.Array | None, key: jax.A
   return num_accepted, emitted, log_probs
 
 
+def verify_coupled(logits: jax.Array, drafts: jax.Array, noise: jax.Array, temperature, top_k,
+                   top_p) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Gumbel-coupled verification (drafter-invariant speculative decoding: Daliri, Musco and Suresh,
+  "Coupling without Communication and Drafter-Invariant Speculative Decoding", 2024).
+
+  The target's token at window position ``j`` is ``t_j = argmax(sampling_logits(logits_j) + noise_j)``,
+  the plain sampler's draw with the same noise; the drafter drew ``d_{j+1} = argmax(q_{j+1} + noise_j)``
+  with that noise too. ``d_{j+1}`` is accepted while it equals ``t_j``; the first mismatch emits ``t_j``,
+  and the bonus after ``K`` accepted drafts is ``t_K``. Every emitted token is the Gumbel-max sample of
+  ``p`` with fresh noise, so the output is distributed as the target's and, for the same noise, *equal*
+  to plain sampling's whatever the drafter (:func:`lemon_rl.sampling.distribution.coupled_noise`). The
+  price is acceptance: ``P(d = t)`` is at least ``(1 - TV) / (1 + TV)`` against ``1 - TV`` for
+  :func:`verify`'s residual resampling.
+
+  Args:
+    logits: ``[B, K + 1, V]`` target logits of ``[last, d_1..d_K]``.
+    drafts: ``[B, K]``.
+    noise: ``[B, K + 1, V]`` the Gumbel noise of the ``K + 1`` completion positions after ``last``.
+    temperature, top_k, top_p: the sampling distribution (not greedy).
+
+  Returns:
+    As :func:`verify`.
+  """
+  emitted = jnp.argmax(noise + distribution.sampling_logits(logits, temperature, top_k, top_p),
+                       axis=-1).astype(jnp.int32)
+  num_accepted = jnp.sum(jnp.cumprod(drafts == emitted[:, :-1], axis=1), axis=1, dtype=jnp.int32)
+  return num_accepted, emitted, distribution.sampling_log_probs(logits, emitted, temperature, top_k, top_p)
+
+
 class _Carry(NamedTuple):
   """The loop's state; every field but ``rng`` has the batch as its leading axis (rows can be taken)."""
 
@@ -329,7 +390,8 @@ class _Carry(NamedTuple):
   generated: jax.Array  # [B]
   hit_eos: jax.Array  # [B]
   stats: tuple[jax.Array, jax.Array, jax.Array]  # forwards [B], accepted [B], accepted per position [B, K]
-  rng: jax.Array
+  row_ids: jax.Array  # [B] each row's index in the prompts (the coupled noise's row)
+  rng: jax.Array  # split every iteration; with coupled noise the caller's key, never split
 
   @jax.jit
   def take(self, rows: jax.Array) -> "_Carry":
@@ -354,25 +416,31 @@ def _static_sampling(temperature, top_k, top_p, greedy: bool, filtering: bool):
 
 
 @functools.partial(jax.jit, donate_argnames=("cache", "draft_state"),
-                   static_argnames=("max_new_tokens", "num_draft", "greedy", "filtering"))
+                   static_argnames=("max_new_tokens", "num_draft", "greedy", "filtering", "coupled"))
 def _start(logits, cache: KVCache, draft_state, rng, temperature, top_k, top_p, eos_ids, pad_id, *,
-           max_new_tokens, num_draft, greedy, filtering) -> _Carry:
+           max_new_tokens, num_draft, greedy, filtering, coupled) -> _Carry:
   """The first completion token of each row, drawn from the target's prefill ``logits [B, V]``."""
-  batch = logits.shape[0]
-  rng, key = jax.random.split(rng)
-  first, first_logp = distribution.sample(logits, key, *_static_sampling(temperature, top_k, top_p, greedy,
-                                                                         filtering))
+  batch, vocab = logits.shape
+  row_ids = jnp.arange(batch, dtype=jnp.int32)
+  sampling = _static_sampling(temperature, top_k, top_p, greedy, filtering)
+  if coupled and not greedy:
+    noise = distribution.coupled_noise(rng, row_ids, jnp.zeros((batch, 1), jnp.int32), vocab)[:, 0]
+    first, first_logp = distribution.sample(logits, None, *sampling, noise=noise)
+  else:
+    rng, key = jax.random.split(rng)
+    first, first_logp = distribution.sample(logits, key, *sampling)
   tokens = jnp.full((batch, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
   log_probs = jnp.zeros((batch, max_new_tokens), jnp.float32).at[:, 0].set(first_logp)
   zeros = jnp.zeros((batch,), jnp.int32)
   return _Carry(first, cache, draft_state, tokens, log_probs, jnp.ones((batch,), jnp.int32), _is_eos(first, eos_ids),
-                (zeros, zeros, jnp.zeros((batch, num_draft), jnp.int32)), rng)
+                (zeros, zeros, jnp.zeros((batch, num_draft), jnp.int32)), row_ids, rng)
 
 
 @functools.partial(jax.jit, donate_argnames=("carry",),
-                   static_argnames=("target_def", "drafter_def", "num_draft", "greedy", "filtering", "stop_at"))
+                   static_argnames=("target_def", "drafter_def", "num_draft", "greedy", "filtering", "stop_at",
+                                    "coupled"))
 def _loop(target_def, target_vars, drafter_def, drafter_vars, carry: _Carry, temperature, top_k, top_p, eos_ids,
-          resample_from_residual, *, num_draft, greedy, filtering, stop_at) -> _Carry:
+          resample_from_residual, *, num_draft, greedy, filtering, stop_at, coupled) -> _Carry:
   """Speculative iterations until at most ``stop_at`` rows are active (``0``: until every row is done).
 
   Between iterations the target cache holds prompt + all emitted tokens but the pending ``last``.
@@ -384,15 +452,22 @@ def _loop(target_def, target_vars, drafter_def, drafter_vars, carry: _Carry, tem
   rows = jnp.arange(batch)[:, None]
   positions = jnp.arange(k + 1)
   layers = _feature_layers(drafter)
+  coupled = coupled and not greedy
+  vocab = target.cfg.vocab_size
 
   def cond(carry):
     return jnp.sum(carry.active()) > stop_at
 
   def body(carry):
-    last, cache, draft_state, tokens, log_probs, generated, hit_eos, stats, rng = carry
+    last, cache, draft_state, tokens, log_probs, generated, hit_eos, stats, row_ids, rng = carry
     active = carry.active()
-    rng, draft_key, verify_key = jax.random.split(rng, 3)
-    drafts, q, draft_state = drafter.propose(draft_state, last, draft_key, k, temperature, top_k, top_p)
+    if coupled:  # The noise of completion positions generated .. generated + K of each row.
+      noise = distribution.coupled_noise(rng, row_ids, generated[:, None] + positions, vocab)
+      drafter_noise = noise[:, :k]
+    else:
+      rng, draft_key, verify_key = jax.random.split(rng, 3)
+      drafter_noise = draft_noise(draft_key, batch, k, vocab, temperature)
+    drafts, q, draft_state = drafter.propose(draft_state, last, drafter_noise, k, temperature, top_k, top_p)
     window = jnp.concatenate([last[:, None], drafts], axis=1)
     if layers:
       hidden, extended, features = target.extend(window, cache, num_new=jnp.where(active, k + 1, 0),
@@ -400,8 +475,11 @@ def _loop(target_def, target_vars, drafter_def, drafter_vars, carry: _Carry, tem
     else:
       hidden, extended = target.extend(window, cache, num_new=jnp.where(active, k + 1, 0))
     target_logits = target.logits_from_hidden(hidden)
-    num_accepted, emitted, emitted_logp = verify(target_logits, drafts, q, verify_key, temperature, top_k,
-                                                 top_p, resample_from_residual)
+    if coupled:
+      num_accepted, emitted, emitted_logp = verify_coupled(target_logits, drafts, noise, temperature, top_k, top_p)
+    else:
+      num_accepted, emitted, emitted_logp = verify(target_logits, drafts, q, verify_key, temperature, top_k,
+                                                   top_p, resample_from_residual)
     # Keep the n + 1 emitted tokens up to the first EOS and the length limit; nothing for finished rows.
     eos_here = _is_eos(emitted, eos_ids) & (positions <= num_accepted[:, None])
     first_eos = jnp.where(jnp.any(eos_here, axis=1), jnp.argmax(eos_here, axis=1), k + 1)
@@ -421,14 +499,15 @@ def _loop(target_def, target_vars, drafter_def, drafter_vars, carry: _Carry, tem
     forwards, accepted, per_position = stats
     stats = (forwards + active, accepted + jnp.where(active, num_accepted, 0),
              per_position + (active[:, None] & (positions[:k] < num_accepted[:, None])))
-    return _Carry(last, cache, draft_state, tokens, log_probs, generated + kept, hit_eos, stats, rng)
+    return _Carry(last, cache, draft_state, tokens, log_probs, generated + kept, hit_eos, stats, row_ids, rng)
 
   return jax.lax.while_loop(cond, body, carry)
 
 
 def _run(target: Transformer, drafter: Transformer | Drafter, prompts: Sequence[Sequence[int]],
          max_new_tokens: int, rng: jax.Array, num_draft: int, temperature: float, top_k: int, top_p: float,
-         eos_ids, pad_id: int, min_prompt_bucket: int, resample_from_residual: bool, compact: bool = False):
+         eos_ids, pad_id: int, min_prompt_bucket: int, resample_from_residual: bool, compact: bool = False,
+         coupled: bool = False):
   """:func:`speculative_generate`'s decoding; returns ``(tokens, log_probs, num_generated, hit_eos, stats,
   cache, draft_state)``, the per-row outputs (``[B, ...]`` numpy) and the final states of both models.
 
@@ -464,14 +543,14 @@ def _run(target: Transformer, drafter: Transformer | Drafter, prompts: Sequence[
   sampling = (jnp.float32(max(temperature, 1e-6)), jnp.int32(top_k), jnp.float32(top_p))
   eos = jnp.asarray(eos_array(eos_ids))
   carry = _start(logits, cache, draft_state, rng, *sampling, eos, jnp.int32(pad_id), max_new_tokens=max_new_tokens,
-                 num_draft=num_draft, greedy=greedy, filtering=filtering)
+                 num_draft=num_draft, greedy=greedy, filtering=filtering, coupled=coupled)
   rows = np.arange(len(prompts))  # the prompt of each row of the current batch
   outputs = None
   while True:
     stop_at = len(rows) // 2 if compact else 0
     carry = _loop(target_def, target_vars, drafter_def, drafter_vars, carry, *sampling, eos,
                   jnp.bool_(resample_from_residual), num_draft=num_draft, greedy=greedy, filtering=filtering,
-                  stop_at=stop_at)
+                  stop_at=stop_at, coupled=coupled)
     part, active = jax.device_get(((carry.tokens, carry.log_probs, carry.generated, carry.hit_eos, carry.stats),
                                    carry.active()))
     if outputs is None:
@@ -490,7 +569,7 @@ def speculative_generate(target: Transformer, drafter: Transformer | Drafter, pr
                          max_new_tokens: int, rng: jax.Array, num_draft: int = 4, temperature: float = 1.0,
                          top_k: int = 0, top_p: float = 1.0, eos_ids: int | Sequence[int] | None = None,
                          pad_id: int = 0, min_prompt_bucket: int = 16,
-                         resample_from_residual: bool = True) -> SpeculativeOutput:
+                         resample_from_residual: bool = True, coupled: bool = False) -> SpeculativeOutput:
   """Samples completions from ``target`` with a drafter's proposals, losslessly (see the module docstring).
 
   Args:
@@ -500,7 +579,7 @@ def speculative_generate(target: Transformer, drafter: Transformer | Drafter, pr
     prompts: ``B`` lists of token ids (at least one token each).
     max_new_tokens: ``N``, the length limit.
     rng: a PRNG key; the same key gives the same output (not the same as ``generate``'s for a key: the
-      random numbers are used differently).
+      random numbers are used differently; with ``coupled`` the same).
     num_draft: ``K``, tokens drafted per target forward.
     temperature, top_k, top_p, eos_ids, pad_id, min_prompt_bucket: as for
       :func:`lemon_rl.sampling.sampler.generate`; greedy (``temperature = 0``) output equals ``generate``'s
@@ -508,6 +587,11 @@ def speculative_generate(target: Transformer, drafter: Transformer | Drafter, pr
       a ``K + 1``-token verification can pick the other token than a 1-token decode).
     resample_from_residual: ``False`` makes sampling lossy (resample from ``p`` after a rejection); only for
       tests and ablations.
+    coupled: verify by Gumbel coupling (:func:`verify_coupled`) with the noise of
+      :func:`lemon_rl.sampling.distribution.coupled_noise`: the same distribution, and the same tokens as
+      ``generate(..., coupled=True)`` for the same key (up to float rounding of the logits, as for greedy
+      decoding) whatever the drafter, at a lower acceptance than the residual method's. Ignored for
+      greedy decoding.
 
   Returns:
     A :class:`SpeculativeOutput`: ``generate``'s outputs (log-probs of each emitted token under the
@@ -515,7 +599,7 @@ def speculative_generate(target: Transformer, drafter: Transformer | Drafter, pr
   """
   tokens, log_probs, lengths, hit_eos, (forwards, accepted, per_position), _, _ = _run(
       target, drafter, prompts, max_new_tokens, rng, num_draft, temperature, top_k, top_p, eos_ids, pad_id,
-      min_prompt_bucket, resample_from_residual, compact=True)
+      min_prompt_bucket, resample_from_residual, compact=True, coupled=bool(coupled))
   lengths = lengths.astype(np.int32)
   mask = (np.arange(max_new_tokens)[None] < lengths[:, None]).astype(np.int32)
   with np.errstate(invalid="ignore", divide="ignore"):
@@ -540,13 +624,14 @@ class GreedyDifference(NamedTuple):
 
 
 class GreedyAgreement(NamedTuple):
-  """Outcome of :func:`compare_greedy`.
+  """Outcome of :func:`compare_greedy` / :func:`compare_coupled`.
 
   Attributes:
     identical: rows equal to the reference token for token, in length and in finish reason.
     near_ties: rows that first differ where the gap is below the tie threshold (rounding of a
       ``(K+1)``-token verification vs a 1-token decode can pick the other of two near-equal logits).
-    mismatches: rows that first differ without a near-tie (a bug, for greedy speculative decoding).
+    mismatches: rows that first differ without a near-tie (a bug, for greedy or coupled speculative
+      decoding).
   """
 
   identical: int
@@ -563,6 +648,24 @@ def compare_greedy(target: Transformer, prompts: Sequence[Sequence[int]], out: S
   row by row; a differing row is classified by the target's top-two logit gap at its first difference:
   ``logit_(1) - logit_(2) < tie_gap`` is a near-tie, anything else a mismatch.
   """
+  return _compare(target, prompts, out, ref, tie_gap, lambda logits, row, position: logits)
+
+
+def compare_coupled(target: Transformer, prompts: Sequence[Sequence[int]], out: SampleOutput | SpeculativeOutput,
+                    ref: SampleOutput, tie_gap: float, rng: jax.Array, temperature: float, top_k: int = 0,
+                    top_p: float = 1.0) -> GreedyAgreement:
+  """:func:`compare_greedy` for two coupled samples of the same key (``generate(..., coupled=True)``,
+  ``speculative_generate(..., coupled=True)``): the gap is that of the Gumbel-perturbed sampling logits
+  ``sampling_logits + coupled_noise(rng, row, position)``, whose argmax both drew."""
+  def perturbed(logits, row, position):
+    noise = distribution.coupled_noise(rng, jnp.asarray([row]), jnp.asarray([[position]]), logits.shape[-1])
+    return np.asarray(distribution.sampling_logits(jnp.asarray(logits), temperature, top_k, top_p) + noise[0, 0])
+
+  return _compare(target, prompts, out, ref, tie_gap, perturbed)
+
+
+def _compare(target, prompts, out, ref, tie_gap, scores) -> GreedyAgreement:
+  """Row-by-row agreement; ``scores(logits [V], row, position)`` are what both sides took the argmax of."""
   identical, ties, mismatches = 0, [], []
   for i, prompt in enumerate(prompts):
     diff = np.flatnonzero(out.tokens[i] != ref.tokens[i])
@@ -576,7 +679,7 @@ def compare_greedy(target: Transformer, prompts: Sequence[Sequence[int]], out: S
     seq = list(prompt) + ref.tokens[i, :j].tolist()
     ids, mask = right_pad([seq], prompt_bucket(len(seq)), 0)
     logits = np.asarray(_full_logits(target, jnp.asarray(ids), jnp.asarray(mask)))[0, len(seq) - 1]
-    top_two = np.sort(logits)[-2:]
+    top_two = np.sort(scores(logits, i, j))[-2:]
     gap = float(top_two[1] - top_two[0])
     (ties if gap < tie_gap else mismatches).append(GreedyDifference(i, j, gap))
   return GreedyAgreement(identical, ties, mismatches)

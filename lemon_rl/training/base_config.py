@@ -57,6 +57,9 @@ def get_base_config() -> config_dict.ConfigDict:
   c.rl.temperature = 1.0
   c.rl.top_k = 0  # 0 = off.
   c.rl.top_p = 1.0  # 1.0 = off.
+  # Gumbel noise per (rollout row, token position) instead of per decode step: the same distribution, and
+  # speculative rollouts (rl.speculative) emit the plain sampler's tokens for the same key.
+  c.rl.coupled_noise = False
   c.rl.advantage_estimator = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp_baseline (lemon_rl.losses).
   c.rl.policy_loss = "ppo_clip"  # ppo_clip | gspo.
   # eps_low / eps_high / aggregation: None = the policy loss's default (lemon_rl.losses.POLICY_LOSS_DEFAULTS:

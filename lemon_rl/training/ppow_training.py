@@ -73,6 +73,7 @@ from lemon_rl import ops
 from lemon_rl.losses import ppow
 from lemon_rl.models.drafter import EagleDrafter, EagleHead
 from lemon_rl.models.transformer import KVCache, Transformer
+from lemon_rl.sampling.speculative import draft_noise
 from lemon_rl.training import drafter_training as dt
 from lemon_rl.training import state as state_lib
 from lemon_rl.training.state import TrainState
@@ -216,7 +217,8 @@ def draft_windows(target: Transformer, head: EagleHead, tokens: Array, prefix_en
                           target_features=features, num_draft=num_draft)
   last = jnp.take_along_axis(tokens, prefix_end[:, None], axis=1)[:, 0]
   state, last = _repeat((state, last), group_size)
-  drafts, q, _ = drafter.propose(state, last, key, num_draft, temperature, 0, 1.0)
+  noise = draft_noise(key, last.shape[0], num_draft, drafter.vocab_size, temperature)
+  drafts, q, _ = drafter.propose(state, last, noise, num_draft, temperature, 0, 1.0)
   return drafts, q
 
 

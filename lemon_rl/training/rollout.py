@@ -56,16 +56,22 @@ class SamplingSettings:
   (as the sampler reports them). Otherwise a token's log-prob is taken under ``softmax(filter(z / T))``
   with the top-k / top-p filter of :func:`lemon_rl.sampling.filter_logits` (hashable: a static argument
   of the jitted functions).
+
+  ``coupled`` changes the random numbers, not the distribution: token ``i`` of rollout row ``b`` is drawn
+  with Gumbel noise of ``(key, b, i)`` (``generate(..., coupled=True)``), so a speculative rollout of the
+  same key emits the same tokens as a plain one (``speculative_generate(..., coupled=True)``) and two arms
+  of an experiment that differ only in how they sample are compared sample by sample.
   """
 
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
+  coupled: bool = False
 
   @classmethod
   def from_config(cls, cfg) -> "SamplingSettings":
-    """From an ``rl`` config section (``temperature``, ``top_k``, ``top_p``)."""
-    return cls(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p))
+    """From an ``rl`` config section (``temperature``, ``top_k``, ``top_p``, ``coupled_noise``)."""
+    return cls(float(cfg.temperature), int(cfg.top_k), float(cfg.top_p), bool(cfg.coupled_noise))
 
   @property
   def filters(self) -> bool:
@@ -79,7 +85,7 @@ class SamplingSettings:
   def sample(self, model, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, rng: jax.Array, tokenizer):
     """:func:`lemon_rl.sampling.generate` under these settings, stopping on every EOS of ``tokenizer``."""
     return generate(model, prompt_ids, max_new_tokens, rng, temperature=self.temperature, top_k=self.top_k,
-                    top_p=self.top_p, eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id)
+                    top_p=self.top_p, eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id, coupled=self.coupled)
 
 
 MODEL_DISTRIBUTION = SamplingSettings()  # The model's own distribution: temperature 1, no filter.

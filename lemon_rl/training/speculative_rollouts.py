@@ -269,8 +269,8 @@ def _draft_steps(drafter_def, drafter_vars, state, last, key, *, steps, num_draf
 
   def body(i, carry):
     state, last = carry
-    drafts, _, state = drafter.propose(state, last, jax.random.fold_in(key, i), num_draft, temperature, top_k,
-                                       top_p)
+    noise = speculative.draft_noise(jax.random.fold_in(key, i), b, num_draft, drafter.vocab_size, temperature)
+    drafts, _, state = drafter.propose(state, last, noise, num_draft, temperature, top_k, top_p)
     if feature_size:
       state = drafter.rollback(state, kept, hidden,
                                target_features=jnp.zeros((b, num_draft + 1, feature_size), jnp.float32))
@@ -524,7 +524,7 @@ class SpeculativeRollouts:
     out = speculative.speculative_generate(
         model, self.engine_drafter(model), prompt_ids, max_new_tokens, rng, num_draft=self.num_draft,
         temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, eos_ids=tokenizer.eos_ids,
-        pad_id=tokenizer.pad_id, resample_from_residual=self.resample_from_residual)
+        pad_id=tokenizer.pad_id, resample_from_residual=self.resample_from_residual, coupled=sampling.coupled)
     record.update(seconds=time.perf_counter() - start, stats=out.stats,
                   compiled=compiled is None or _compile_count() != compiled)
     self._calls.append(record)
