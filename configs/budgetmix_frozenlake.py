@@ -95,6 +95,7 @@ def get_config(variant: str = "cpu") -> config_dict.ConfigDict:
   rl.temperature = 1.0
   rl.top_k = 0
   rl.top_p = 1.0
+  rl.coupled_noise = False  # Episodes draw independent noise (the multi-turn engine has no coupled sampling).
   rl.policy_loss = "ppo_clip"
   rl.eps_low = config_dict.placeholder(float)
   rl.eps_high = config_dict.placeholder(float)

@@ -213,10 +213,14 @@ def test_reproduction_structure_and_report(saved):
     assert report.same_samples(saved, arm) == (4, 4)
     assert all(by[arm, s] == by["plain", s] for s in (0, 1))
   assert report.same_samples(saved, "residual")[0] < 4
+  coupling, = report.coupling_family(saved)
+  assert list(coupling.differences) == pytest.approx(
+      [mean_tau("residual", s) - mean_tau("speculative", s) for s in (0, 1)])
   plain = sum(row["time/sample_s"] for r in saved["runs"] if r["arm"] == "plain" for row in r["curve"])
   spec = sum(row["time/sample_s"] for r in saved["runs"] if r["arm"] == "speculative" for row in r["curve"])
   assert report.total_ratio(saved, "speculative", "time/sample_s") == pytest.approx(plain / spec)
   text = report.render(saved)
   assert "| speculative | 2 |" in text and "TOST" in text and "target is" in text
   assert "| 4/4 |" in text and "coupled noise" in text and "`residual` speculates" in text
+  assert "residual - speculative (coupled), mean rollout tau" in text
   assert "PPOW refreshes (every 2 steps, 1 PPOW updates each)" in text

@@ -58,6 +58,17 @@ def refresh_family(saved: Mapping[str, Any]) -> list[PairedComparison]:
                            [total_s(d) - total_s(p) for d, p in pairs])]
 
 
+def coupling_family(saved: Mapping[str, Any]) -> list[PairedComparison]:
+  """What Gumbel coupling costs in acceptance: ``residual`` minus ``speculative`` mean rollout ``tau`` per
+  seed (both speculate on every step with a distilled drafter; the residual method accepts more); ``[]``
+  unless both ran with the coupled arm coupled."""
+  if not {"speculative", "residual"} <= set(saved["arms"]) or not saved["config"]["rl"].get("coupled_noise"):
+    return []
+  mean_tau = lambda r: float(np.mean([row["rollout/tau"] for row in r["curve"]]))
+  return [PairedComparison("residual - speculative (coupled), mean rollout tau", +1,
+                           [mean_tau(r) - mean_tau(c) for c, r in _pairs(saved, "residual", base="speculative")])]
+
+
 def step_ratios(saved: Mapping[str, Any], arm: str, key: str) -> np.ndarray:
   """``plain / arm`` of ``key`` (``step_s`` or ``time/sample_s``) per (seed, step)."""
   return np.asarray([x[key] / y[key] for p, a in _pairs(saved, arm) for x, y in zip(p["curve"], a["curve"])])
@@ -160,6 +171,11 @@ def render(saved: Mapping[str, Any]) -> str:
       "",
       "Speed: " + "; ".join(speed) + ".",
   ]
+  coupling = coupling_family(saved)
+  if coupling:
+    lines += ["", "The residual method against coupled verification (both on every step, drafters distilled after "
+              "every update), paired by seed:", "",
+              *format_paired_table(holm_paired_intervals(coupling, saved["family_alpha"]))]
   refresh = refresh_family(saved)
   if refresh:
     lines += ["", f"PPOW refreshes (every {c['ppow_refresh_every']} steps, {spec['ppow']['steps_per_refresh']} "

@@ -200,6 +200,8 @@ def check_multiturn_rl_config(config) -> None:
   cc.require_choice(budgetmix.BUDGET_MODES, "multiturn_rl.budget_mode", rl.budget_mode)
   cc.require_choice(state_lib.SCHEDULES, "multiturn_rl.lr_schedule", rl.lr_schedule)
   cc.require(0 < rl.top_p <= 1, "multiturn_rl.top_p", rl.top_p, "must be in (0, 1]")
+  cc.require(not rl.coupled_noise, "multiturn_rl.coupled_noise", rl.coupled_noise,
+             "must be False: the multi-turn engine draws each episode's tokens with independent noise")
   rows = rl.maps_per_step * rl.group_size
   cc.require(rows % rl.num_microbatches == 0, "multiturn_rl.num_microbatches", rl.num_microbatches,
              f"must divide multiturn_rl.maps_per_step * multiturn_rl.group_size = {rows}")
