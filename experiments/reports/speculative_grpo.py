@@ -60,8 +60,8 @@ def refresh_family(saved: Mapping[str, Any]) -> list[PairedComparison]:
 
 def coupling_family(saved: Mapping[str, Any]) -> list[PairedComparison]:
   """What Gumbel coupling costs in acceptance: ``residual`` minus ``speculative`` mean rollout ``tau`` per
-  seed (both speculate on every step with a distilled drafter; the residual method accepts more); ``[]``
-  unless both ran with the coupled arm coupled."""
+  seed (both speculate on every step with a distilled drafter; the residual verifier's acceptance is the
+  optimal 1 - TV, coupling's at least (1 - TV) / (1 + TV)); ``[]`` unless both ran with the coupled arm coupled."""
   if not {"speculative", "residual"} <= set(saved["arms"]) or not saved["config"]["rl"].get("coupled_noise"):
     return []
   mean_tau = lambda r: float(np.mean([row["rollout/tau"] for row in r["curve"]]))
