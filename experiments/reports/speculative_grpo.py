@@ -36,6 +36,11 @@ def _pairs(saved: Mapping[str, Any], arm: str,
   return [(p, a) for p, a in pairs if p and a]
 
 
+def _mean_tau(run: Mapping[str, Any]) -> float:
+  """Mean rollout ``tau`` over a run's steps."""
+  return float(np.mean([row["rollout/tau"] for row in run["curve"]]))
+
+
 def equivalence_family(saved: Mapping[str, Any]) -> list[PairedComparison]:
   """Each speculative arm minus ``plain``, per seed, on each test endpoint (fixed before the run)."""
   return [PairedComparison(f"{arm} - plain, {label}", +1,
@@ -50,10 +55,9 @@ def refresh_family(saved: Mapping[str, Any]) -> list[PairedComparison]:
   if not {"speculative", "ppow_refresh"} <= set(saved["arms"]):
     return []
   pairs = _pairs(saved, "ppow_refresh", base="speculative")
-  mean_tau = lambda r: float(np.mean([row["rollout/tau"] for row in r["curve"]]))
   total_s = lambda r: float(sum(row["step_s"] for row in r["curve"]))
   return [PairedComparison("ppow_refresh - speculative, mean rollout tau", +1,
-                           [mean_tau(p) - mean_tau(d) for d, p in pairs]),
+                           [_mean_tau(p) - _mean_tau(d) for d, p in pairs]),
           PairedComparison("speculative - ppow_refresh, total step seconds", +1,
                            [total_s(d) - total_s(p) for d, p in pairs])]
 
@@ -64,9 +68,8 @@ def coupling_family(saved: Mapping[str, Any]) -> list[PairedComparison]:
   optimal 1 - TV, coupling's at least (1 - TV) / (1 + TV)); ``[]`` unless both ran with the coupled arm coupled."""
   if not {"speculative", "residual"} <= set(saved["arms"]) or not saved["config"]["rl"].get("coupled_noise"):
     return []
-  mean_tau = lambda r: float(np.mean([row["rollout/tau"] for row in r["curve"]]))
   return [PairedComparison("residual - speculative (coupled), mean rollout tau", +1,
-                           [mean_tau(r) - mean_tau(c) for c, r in _pairs(saved, "residual", base="speculative")])]
+                           [_mean_tau(r) - _mean_tau(c) for c, r in _pairs(saved, "residual", base="speculative")])]
 
 
 def step_ratios(saved: Mapping[str, Any], arm: str, key: str) -> np.ndarray:
