@@ -15,7 +15,8 @@ workers (arms stored with other workers are refused). A worker in training check
 command resumes it exactly: commit that directory to go on in another session. Before any orchestrator trains, the
 worker gate (``task.worker_gate``, :func:`lemon_rl.training.worker_models.worker_gate`) checks the premise that
 capacity matters (the large worker clearly above the medium one on multiplications): with workers that fail it the
-command stops, since every arm would be comparing teams whose capacities make no difference. The ``tiny`` and
+command saves the workers and the failed gate as the results (no arm) and stops, since every arm would be comparing
+teams whose capacities make no difference. The ``tiny`` and
 ``pilot`` variants use the programmatic workers instead.
 
 Per seed (``configs/lemon_orchestration.py:<variant>_<arm>``): the ``sft_only`` arm runs the orchestrator's
@@ -179,6 +180,8 @@ def main(argv):
           if saved["workers"] else f"variant {FLAGS.variant!r} uses programmatic workers: nothing to train")
     return
   if saved.get("worker_gate") and not saved["worker_gate"]["passed"]:
+    saved["done"] = True  # The outcome: no orchestrator trains on these workers; the results say why.
+    print(results_md.write_results(saved, FLAGS.results_file, report))
     raise SystemExit(f"the worker models in {workers_dir} fail the worker gate (task.worker_gate), so capacity "
                      f"would not matter to the orchestrator: {report.gate_checks(saved['worker_gate'])}")
 

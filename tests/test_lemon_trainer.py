@@ -486,6 +486,9 @@ def test_worker_gate_compares_each_capacity_and_adjacent_gaps_with_the_threshold
     worker_models.worker_gate(skills, {"min_multiply_huge": 0.5})
   lines = report.workers_table({"skills": skills, "sizes": {}}, gate)
   assert lines[-1].startswith("Worker gate") and "FAILED" in lines[-1]
+  stopped = report.render({"command": "cmd", "machine": "cpu", "setup": {"reward": {}}, "seeds": [],
+                           "workers": {"skills": skills, "sizes": {}}, "worker_gate": gate})
+  assert "stopped at the worker gate" in stopped and "FAILED" in stopped and "| large |" in stopped
 
 
 def test_worker_params_round_trip_and_skill_scores(tmp_path):

@@ -138,6 +138,13 @@ def workers_table(workers, gate=None) -> list[str]:
 def render(saved: Mapping[str, Any]) -> str:
   setup, seeds = saved["setup"], saved["seeds"]
   r = setup["reward"]
+  gate = saved.get("worker_gate")
+  if gate and not gate["passed"]:
+    return "\n".join([
+        f"Command: `{saved['command']}` on {saved['machine']}: stopped at the worker gate, before any orchestrator "
+        "trained. Its premise, that a larger worker is clearly better at multiplying, does not hold for these "
+        "workers, so the arms would compare teams whose capacities make no difference: no arm ran.", "",
+        *workers_table(saved["workers"], gate)])
   lines = [
       f"Command: `{saved['command']}` {results_md.where_seeds_ran(saved)}"
       + ("" if saved.get("done") else " (partial: still running or stopped)") + ".",
