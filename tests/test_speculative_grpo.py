@@ -180,6 +180,22 @@ def saved(tiny_speculative_run, tmp_path_factory):
     return json.load(f)
 
 
+def test_slower_speculative_steps_count_only_the_steps_that_speculated():
+  row = lambda step_s, on=None: {"step_s": step_s, **({} if on is None else {"rollout/speculative_on": on})}
+  saved = {"seeds": [0, 1], "runs": [
+      {"arm": "plain", "seed": 0, "curve": [row(2.0), row(2.0), row(2.0)]},
+      {"arm": "plain", "seed": 1, "curve": [row(3.0), row(3.0), row(3.0)]},
+      # Plain-sampled steps 4x slower (timing noise of the same sampler) are not counted.
+      {"arm": "cost_model", "seed": 0, "curve": [row(8.0, 0.0), row(1.0, 1.0), row(4.0, 1.0)]},
+      {"arm": "cost_model", "seed": 1, "curve": [row(12.0, 0.0), row(2.0, 1.0), row(6.0, 0.0)]}]}
+  assert report.slower_speculative_steps(saved, "cost_model") == (1, 3, 0.5)
+  for r in saved["runs"][2:]:
+    for x in r["curve"]:
+      x["rollout/speculative_on"] = 0.0
+  count, compared, least = report.slower_speculative_steps(saved, "cost_model")
+  assert (count, compared) == (0, 0) and math.isnan(least)
+
+
 def test_reproduction_structure_and_report(saved):
   assert sorted((r["arm"], r["seed"]) for r in saved["runs"]) == [
       ("plain", 0), ("plain", 1), ("ppow_refresh", 0), ("ppow_refresh", 1), ("residual", 0), ("residual", 1),
@@ -221,6 +237,7 @@ def test_reproduction_structure_and_report(saved):
   assert report.total_ratio(saved, "speculative", "time/sample_s") == pytest.approx(plain / spec)
   text = report.render(saved)
   assert "| speculative | 2 |" in text and "TOST" in text and "target is" in text
+  assert "speculative steps slower than plain" in text
   assert "| 4/4 |" in text and "coupled noise" in text and "`residual` speculates" in text
   assert "residual - speculative (coupled), mean rollout tau" in text
   assert "PPOW refreshes (every 2 steps, 1 PPOW updates each)" in text
