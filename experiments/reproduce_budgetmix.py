@@ -329,8 +329,7 @@ def main(argv):
 
   machine.run_parallel(run_arm, [(arm_config(config, arm, s), arm_dir(s, arm), False) for s, arm in runs],
                        FLAGS.workers, on_result=store_arm)
-  report.plot(saved, os.path.join(os.path.dirname(results_md.absolute(FLAGS.results_file)),
-                                  os.path.basename(report.PLOT_FILE)))
+  results_md.plot_beside(saved, FLAGS.results_file, report)
   print(results_md.write_results(saved, FLAGS.results_file, report))
 
 

@@ -434,6 +434,7 @@ def main(argv):
       saved["runs"].append({**record, "validation": val, "test": test})
       log(f"{arm} seed {seed} (lr {lr:g}): test tau greedy {test['tau_greedy']:.3f}, T=1 {test['tau_t1']:.3f}")
   saved["total_wall_s"] = time.time() - t_start
+  results_md.plot_beside(saved, FLAGS.results_file, report)
   print(results_md.write_results(saved, FLAGS.results_file, report))
 
 

@@ -277,6 +277,7 @@ def main(argv):
       log(f"{arm} seed {seed}: test reward T=1 {test['reward_t1']:.3f}, greedy {test['reward_greedy']:.3f}; "
           f"{sum(r['step_s'] for r in record['curve']):.0f} s of steps")
   saved["total_wall_s"] = time.time() - t_start
+  results_md.plot_beside(saved, FLAGS.results_file, report)
   print(results_md.write_results(saved, FLAGS.results_file, report))
 
 

@@ -102,6 +102,12 @@ def publish(saved, results_file: str, report) -> str:
   return report.render(saved)
 
 
+def plot_beside(saved, results_file: str, report) -> str:
+  """``report.plot(saved, path)`` with ``path`` the file name of ``report.PLOT_FILE`` next to ``results_file``
+  (the committed place for the default results file; a test's results file gets its plot beside it)."""
+  return report.plot(saved, os.path.join(os.path.dirname(absolute(results_file)), os.path.basename(report.PLOT_FILE)))
+
+
 def write_results(saved, results_file: str, report) -> str:
   """:func:`save_results`, then :func:`publish`."""
   save_results(saved, results_file)

@@ -39,6 +39,7 @@ def saved(spec_workdir, tmp_path_factory):
                   f"--init_from={spec_workdir}", "--size=tiny", "--seeds=0,1", "--steps=2", "--arms=control,full",
                   "--ppow_lrs=1e-3", "--control_lrs=1e-3", "--calibration_steps=1", f"--results_file={results}"],
                  cwd=ROOT, check=True, capture_output=True)
+  assert (out / os.path.basename(report.PLOT_FILE)).exists()  # drawn beside the results file
   with open(results) as f:
     return json.load(f)
 
@@ -88,6 +89,7 @@ def test_paired_statistics_follow_the_runs(saved):
     assert res.confidence in (pytest.approx(0.975), pytest.approx(0.95))
   text = report.render(saved)
   assert "full - token-level control, tau greedy" in text and "Holm" in text
+  assert f"`{report.PLOT_FILE}`" in text
 
 
 def test_disjointness_check_catches_a_leaked_prompt():
@@ -125,3 +127,24 @@ def test_uniform_prefixes_equal_choose_prefixes_without_adaw(spec_workdir):
     np.testing.assert_array_equal(rows, slow.rows)
     np.testing.assert_array_equal(ends, slow.prefix_end)
   assert len(np.unique(np.asarray(ends))) > 1
+
+
+def test_plotted_acceptance_and_training_tau_by_hand(tmp_path):
+  ppow_run = lambda seed, accept, taus: {"arm": "full", "seed": seed, "test": {"accept_greedy": accept},
+                                         "curve_columns": "step_tau_reward_kl",
+                                         "curve": [[i + 1, t, 0.0, 0.0] for i, t in enumerate(taus)]}
+  saved = {"seeds": [0, 1], "arms": ["control", "full"],
+           "start": {"0": {"test": {"accept_greedy": [0.6, 0.2]}}, "1": {"test": {"accept_greedy": [0.8, 0.4]}}},
+           "runs": [{"arm": "control", "seed": 0, "test": {"accept_greedy": [0.5, 0.1]},
+                     "curve_columns": "distill_loss", "curve": [[2, 9.0]]},
+                    {"arm": "control", "seed": 1, "test": {"accept_greedy": [0.7, 0.3]},
+                     "curve_columns": "distill_loss", "curve": [[2, 8.0]]},
+                    ppow_run(0, [0.9, 0.5], [1.5, 2.0, 9.0]), ppow_run(1, [0.7, 0.3], [2.5, 3.0])]}
+  accept = report.mean_acceptance(saved, "accept_greedy")
+  assert list(accept) == ["start", "control", "full"]
+  np.testing.assert_allclose(accept["start"], [0.7, 0.3])
+  np.testing.assert_allclose(accept["control"], [0.6, 0.2])
+  np.testing.assert_allclose(accept["full"], [0.8, 0.4])
+  (steps, tau), = report.training_tau(saved).values()  # the control's loss curve is not a tau
+  np.testing.assert_array_equal(steps, [1, 2])  # the steps every seed has
+  np.testing.assert_allclose(tau, [2.0, 2.5])

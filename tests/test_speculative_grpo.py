@@ -176,6 +176,7 @@ def saved(tiny_speculative_run, tmp_path_factory):
                   f"--init_from={tiny_speculative_run[0]}", "--size=tiny", "--seeds=0,1", "--steps=2",
                   "--arms=plain,speculative,ppow_refresh,residual", f"--results_file={results}"], cwd=ROOT, check=True,
                  capture_output=True)
+  assert (out / os.path.basename(report.PLOT_FILE)).exists()  # drawn beside the results file
   with open(results) as f:
     return json.load(f)
 
@@ -194,6 +195,20 @@ def test_slower_speculative_steps_count_only_the_steps_that_speculated():
       x["rollout/speculative_on"] = 0.0
   count, compared, least = report.slower_speculative_steps(saved, "cost_model")
   assert (count, compared) == (0, 0) and math.isnan(least)
+
+
+def test_per_step_pairs_each_seed_and_step_with_plain():
+  row = lambda sample_s, tau: {"time/sample_s": sample_s, "rollout/tau": tau}
+  saved = {"seeds": [0, 1, 2], "runs": [
+      {"arm": "plain", "seed": 0, "curve": [row(2.0, 0), row(4.0, 0), row(4.0, 0)]},
+      {"arm": "plain", "seed": 1, "curve": [row(3.0, 0), row(6.0, 0)]},
+      {"arm": "speculative", "seed": 0, "curve": [row(1.0, 1.5), row(8.0, 2.0), row(1.0, 2.0)]},
+      {"arm": "speculative", "seed": 1, "curve": [row(3.0, 1.7), row(2.0, 1.9)]},
+      {"arm": "speculative", "seed": 2, "curve": [row(1.0, 1.0), row(1.0, 1.0)]}]}  # no plain seed 2: unpaired
+  speed = report.per_step(saved, "speculative", lambda x, y: x["time/sample_s"] / y["time/sample_s"])
+  np.testing.assert_allclose(speed, [[2.0, 0.5], [1.0, 3.0]])  # [seeds, the steps both seeds have]
+  np.testing.assert_allclose(report.per_step(saved, "speculative", lambda x, y: y["rollout/tau"]),
+                             [[1.5, 2.0], [1.7, 1.9]])
 
 
 def test_reproduction_structure_and_report(saved):
@@ -237,7 +252,7 @@ def test_reproduction_structure_and_report(saved):
   assert report.total_ratio(saved, "speculative", "time/sample_s") == pytest.approx(plain / spec)
   text = report.render(saved)
   assert "| speculative | 2 |" in text and "TOST" in text and "target is" in text
-  assert "speculative steps slower than plain" in text
+  assert "speculative steps slower than plain" in text and f"`{report.PLOT_FILE}`" in text
   assert "| 4/4 |" in text and "coupled noise" in text and "`residual` speculates" in text
   assert "residual - speculative (coupled), mean rollout tau" in text
   assert "PPOW refreshes (every 2 steps, 1 PPOW updates each)" in text

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+import numpy as np
+
 from lemon_rl.eval.stats import PairedComparison, format_mean_ci, format_paired_table, holm_paired_intervals
 
 TITLE = "PPOW: window-level RL of the stdlib drafter (METHODS.md section 3)"
 RESULTS_FILE = "experiments/results/ppow/results.json"
+PLOT_FILE = "experiments/results/ppow/acceptance.png"
 COMMAND = ("python -m experiments.reproduce_ppow --workdir=runs/ppow --init_from=SPEC_WORKDIR --seeds=0,1 "
            "--steps=10 --ppow_lrs=1e-4 --control_lrs=1e-4")
 MISSING = "Not run yet."
@@ -124,5 +127,60 @@ def render(saved: Mapping[str, Any]) -> str:
       *trial_rows,
       "",
       *format_paired_table(results),
+      "",
+      f"Per-position acceptance on the test prompts (mean over seeds, every drafter) and the PPOW arms' "
+      f"training-window `tau` over steps: `{PLOT_FILE}`; raw numbers in `{RESULTS_FILE}`.",
   ]
   return "\n".join(lines)
+
+
+def mean_acceptance(saved: Mapping[str, Any], key: str) -> dict[str, np.ndarray]:
+  """``{drafter: [K]}``: each draft position's test acceptance rate, the mean over the seeds, for the start
+  drafter (``"start"``) and every arm that ran; ``key`` is ``accept_greedy`` or ``accept_t1``."""
+  out = {"start": np.mean([saved["start"][str(s)]["test"][key] for s in saved["seeds"]], axis=0)}
+  for arm in saved["arms"]:
+    rows = [r["test"][key] for r in saved["runs"] if r["arm"] == arm]
+    if rows:
+      out[arm] = np.mean(rows, axis=0)
+  return out
+
+
+def training_tau(saved: Mapping[str, Any]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+  """``{PPOW arm: (steps [N], tau [N])}``: the training windows' ``tau`` at each step (column ``tau`` of
+  ``curve``), the mean over the seeds (the control's curve is a distillation loss and is left out)."""
+  out = {}
+  for arm in saved["arms"]:
+    runs = [r for r in saved["runs"] if r["arm"] == arm and "tau" in r["curve_columns"].split("_")]
+    if runs:
+      column = runs[0]["curve_columns"].split("_").index("tau")
+      n = min(len(r["curve"]) for r in runs)
+      out[arm] = (np.asarray([row[0] for row in runs[0]["curve"][:n]]),
+                  np.mean([[row[column] for row in r["curve"][:n]] for r in runs], axis=0))
+  return out
+
+
+def plot(saved: Mapping[str, Any], path: str) -> str:
+  """Per-position test acceptance (greedy, T=1) of every drafter and PPOW's training ``tau``, saved to ``path``."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
+  for ax, (key, label) in zip(axes, TEMPERATURES):
+    for name, rates in mean_acceptance(saved, f"accept_{key}").items():
+      ax.plot(np.arange(1, len(rates) + 1), rates, marker="o", label=name,
+              linestyle="--" if name in ("start", "control") else "-")
+      ax.set_xticks(np.arange(1, len(rates) + 1))
+    ax.set_title(f"test acceptance per draft position, {label}")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate")
+  for arm, (steps, tau) in training_tau(saved).items():
+    axes[2].plot(steps, tau, label=arm)
+  axes[2].set_title("PPOW training windows: tau (mean over seeds)")
+  axes[2].set_xlabel("PPOW step")
+  for ax in axes:
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path

@@ -18,6 +18,7 @@ from lemon_rl.eval.stats import (PairedComparison, format_mean_ci, format_paired
 
 TITLE = "Speculative rollouts inside GRPO: the stdlib policy with a Python syntax reward (METHODS.md section 3)"
 RESULTS_FILE = "experiments/results/speculative_grpo/results.json"
+PLOT_FILE = "experiments/results/speculative_grpo/rollouts.png"
 COMMAND = ("python -m experiments.reproduce_speculative_grpo --workdir=runs/spec_grpo --init_from=SPEC_WORKDIR "
            "--seeds=0,1,2")
 MISSING = "Not run yet."
@@ -91,6 +92,14 @@ def slower_speculative_steps(saved: Mapping[str, Any], arm: str) -> tuple[int, i
   on = np.asarray([bool(y.get("rollout/speculative_on")) for _, a in _pairs(saved, arm) for y in a["curve"]])
   spec = ratios[on] if ratios.size else ratios
   return int((spec < 1).sum()), int(spec.size), float(spec.min()) if spec.size else float("nan")
+
+
+def per_step(saved: Mapping[str, Any], arm: str, value) -> np.ndarray:
+  """``[seeds, steps]``: ``value(plain row, arm row)`` at every step of every seed both ran (the steps all
+  those seeds have)."""
+  pairs = _pairs(saved, arm)
+  n = min(min(len(p["curve"]), len(a["curve"])) for p, a in pairs)
+  return np.asarray([[value(x, y) for x, y in zip(p["curve"][:n], a["curve"][:n])] for p, a in pairs])
 
 
 def same_samples(saved: Mapping[str, Any], arm: str) -> tuple[int, int] | None:
@@ -195,4 +204,40 @@ def render(saved: Mapping[str, Any]) -> str:
               f"PPOW updates each) against distillation after every update, paired by seed, Holm over "
               f"{len(refresh)} at familywise {saved['family_alpha']:g}:", "",
               *format_paired_table(holm_paired_intervals(refresh, saved["family_alpha"]))]
+  lines += ["", f"Per step, over training (mean or median over the seeds): rollout `tau`, rollout speed against plain, "
+            f"train reward: `{PLOT_FILE}`; raw numbers in `{RESULTS_FILE}`."]
   return "\n".join(lines)
+
+
+def plot(saved: Mapping[str, Any], path: str) -> str:
+  """Per step: each speculating arm's rollout ``tau`` (mean over seeds), its rollout speed ``plain / arm``
+  (median over seeds), and every arm's train reward (mean over seeds); saved to ``path``."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
+  colors = dict(zip(saved["arms"], plt.get_cmap("tab10").colors))
+  for arm in saved["arms"]:
+    reward = per_step(saved, arm, lambda x, y: y["reward/total/mean"]).mean(axis=0)
+    axes[2].plot(np.arange(1, reward.size + 1), reward, label=arm, color=colors[arm],
+                 linestyle="--" if arm == "plain" else "-")
+    if arm == "plain":
+      continue
+    tau = per_step(saved, arm, lambda x, y: y["rollout/tau"] if y.get("rollout/speculative_on") else np.nan)
+    speed = np.median(per_step(saved, arm, lambda x, y: x["time/sample_s"] / y["time/sample_s"]), axis=0)
+    steps = np.arange(1, speed.size + 1)
+    if not np.isnan(tau).all():
+      axes[0].plot(steps, np.nanmean(tau, axis=0), label=arm, color=colors[arm])
+    axes[1].plot(steps, speed, label=arm, color=colors[arm])
+  axes[1].axhline(1.0, color="k", linewidth=0.8)
+  axes[1].axhline(ROLLOUT_TARGET, color="grey", linestyle=":", label=f"target {ROLLOUT_TARGET}x")
+  for ax, title in zip(axes, ("rollout tau (steps that speculated, mean over seeds)",
+                              "rollout speed, plain / arm (median over seeds)", "train reward (mean over seeds)")):
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("GRPO step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
