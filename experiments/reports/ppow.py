@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from experiments.reports import figures
 from lemon_rl.eval.stats import PairedComparison, format_mean_ci, format_paired_table, holm_paired_intervals
 
 TITLE = "PPOW: window-level RL of the stdlib drafter (METHODS.md section 3)"
@@ -161,10 +162,7 @@ def training_tau(saved: Mapping[str, Any]) -> dict[str, tuple[np.ndarray, np.nda
 
 def plot(saved: Mapping[str, Any], path: str) -> str:
   """Per-position test acceptance (greedy, T=1) of every drafter and PPOW's training ``tau``, saved to ``path``."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
+  fig, axes = figures.panels(3)
   for ax, (key, label) in zip(axes, TEMPERATURES):
     for name, rates in mean_acceptance(saved, f"accept_{key}").items():
       ax.plot(np.arange(1, len(rates) + 1), rates, marker="o", label=name,
@@ -177,10 +175,4 @@ def plot(saved: Mapping[str, Any], path: str) -> str:
     axes[2].plot(steps, tau, label=arm)
   axes[2].set_title("PPOW training windows: tau (mean over seeds)")
   axes[2].set_xlabel("PPOW step")
-  for ax in axes:
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
+  return figures.save(fig, axes, path)

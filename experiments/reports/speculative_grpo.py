@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from experiments.reports import figures
 from lemon_rl.eval.stats import (PairedComparison, format_mean_ci, format_paired_table, holm_equivalence,
                                  holm_paired_intervals)
 
@@ -213,10 +214,8 @@ def plot(saved: Mapping[str, Any], path: str) -> str:
   """Per step: each speculating arm's rollout ``tau`` (mean over seeds), its rollout speed ``plain / arm``
   (median over seeds), and every arm's train reward (mean over seeds); saved to ``path``."""
   import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
-  colors = dict(zip(saved["arms"], plt.get_cmap("tab10").colors))
+  fig, axes = figures.panels(3)
+  colors = dict(zip(saved["arms"], matplotlib.colormaps["tab10"].colors))
   for arm in saved["arms"]:
     reward = per_step(saved, arm, lambda x, y: y["reward/total/mean"]).mean(axis=0)
     axes[2].plot(np.arange(1, reward.size + 1), reward, label=arm, color=colors[arm],
@@ -235,9 +234,4 @@ def plot(saved: Mapping[str, Any], path: str) -> str:
                               "rollout speed, plain / arm (median over seeds)", "train reward (mean over seeds)")):
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("GRPO step")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
+  return figures.save(fig, axes, path)
