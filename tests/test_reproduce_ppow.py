@@ -129,7 +129,7 @@ def test_uniform_prefixes_equal_choose_prefixes_without_adaw(spec_workdir):
   assert len(np.unique(np.asarray(ends))) > 1
 
 
-def test_plotted_acceptance_and_training_tau_by_hand(tmp_path):
+def test_plotted_acceptance_and_training_tau_by_hand():
   ppow_run = lambda seed, accept, taus: {"arm": "full", "seed": seed, "test": {"accept_greedy": accept},
                                          "curve_columns": "step_tau_reward_kl",
                                          "curve": [[i + 1, t, 0.0, 0.0] for i, t in enumerate(taus)]}

@@ -76,7 +76,7 @@ def coupling_family(saved: Mapping[str, Any]) -> list[PairedComparison]:
 
 def step_ratios(saved: Mapping[str, Any], arm: str, key: str) -> np.ndarray:
   """``plain / arm`` of ``key`` (``step_s`` or ``time/sample_s``) per (seed, step)."""
-  return np.asarray([x[key] / y[key] for p, a in _pairs(saved, arm) for x, y in zip(p["curve"], a["curve"])])
+  return per_step(saved, arm, lambda x, y: x[key] / y[key]).ravel()
 
 
 def total_ratio(saved: Mapping[str, Any], arm: str, key: str) -> float:
@@ -89,9 +89,8 @@ def slower_speculative_steps(saved: Mapping[str, Any], arm: str) -> tuple[int, i
   """``(steps slower than plain's, steps compared, least ratio)`` over the steps on which ``arm`` speculated
   (``rollout/speculative_on``), by ``plain / arm`` of ``step_s`` on the same seed and step; ``nan`` for no
   such step. A step the cost model ran with plain sampling compares plain with itself: only timing noise."""
-  ratios = step_ratios(saved, arm, "step_s")
-  on = np.asarray([bool(y.get("rollout/speculative_on")) for _, a in _pairs(saved, arm) for y in a["curve"]])
-  spec = ratios[on] if ratios.size else ratios
+  on = per_step(saved, arm, lambda x, y: bool(y.get("rollout/speculative_on"))).ravel().astype(bool)
+  spec = step_ratios(saved, arm, "step_s")[on]
   return int((spec < 1).sum()), int(spec.size), float(spec.min()) if spec.size else float("nan")
 
 
@@ -99,6 +98,8 @@ def per_step(saved: Mapping[str, Any], arm: str, value) -> np.ndarray:
   """``[seeds, steps]``: ``value(plain row, arm row)`` at every step of every seed both ran (the steps all
   those seeds have)."""
   pairs = _pairs(saved, arm)
+  if not pairs:
+    return np.zeros((0, 0))
   n = min(min(len(p["curve"]), len(a["curve"])) for p, a in pairs)
   return np.asarray([[value(x, y) for x, y in zip(p["curve"][:n], a["curve"][:n])] for p, a in pairs])
 
@@ -217,6 +218,8 @@ def plot(saved: Mapping[str, Any], path: str) -> str:
   fig, axes = figures.panels(3)
   colors = dict(zip(saved["arms"], matplotlib.colormaps["tab10"].colors))
   for arm in saved["arms"]:
+    if not _pairs(saved, arm):
+      continue
     reward = per_step(saved, arm, lambda x, y: y["reward/total/mean"]).mean(axis=0)
     axes[2].plot(np.arange(1, reward.size + 1), reward, label=arm, color=colors[arm],
                  linestyle="--" if arm == "plain" else "-")
