@@ -320,7 +320,7 @@ def train_arm(setup: Setup, arm: str, lr: float, seed: int, control_steps: int) 
       state, metrics = trainer.step(state, step)
       metrics = jax.device_get(metrics)
       curve.append([step, float(metrics["tau"]), float(metrics["reward"]), float(metrics["kl"])])
-    params, steps, curve_name = state.params, FLAGS.steps, "step_tau_reward_kl"
+    params, steps, curve_name = state.params, FLAGS.steps, report.PPOW_CURVE
   params = jax.device_get(params)
   record = {"arm": arm, "lr": lr, "seed": seed, "steps": steps, "curve": curve, "curve_columns": curve_name,
             "wall_s": time.time() - t0, "cpu_s": _cpu() - c0}

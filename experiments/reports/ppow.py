@@ -27,6 +27,7 @@ COMMAND = ("python -m experiments.reproduce_ppow --workdir=runs/ppow --init_from
 MISSING = "Not run yet."
 ABLATIONS = ("no_dist", "no_adaw", "neither")
 TEMPERATURES = (("greedy", "greedy"), ("t1", "T=1"))
+PPOW_CURVE = "step_tau_reward_kl"  # ``curve_columns`` of a PPOW arm's run; the control's is a distillation loss.
 
 
 def _test(saved: Mapping[str, Any], arm: str, seed: int, key: str) -> float | None:
@@ -147,16 +148,15 @@ def mean_acceptance(saved: Mapping[str, Any], key: str) -> dict[str, np.ndarray]
 
 
 def training_tau(saved: Mapping[str, Any]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-  """``{PPOW arm: (steps [N], tau [N])}``: the training windows' ``tau`` at each step (column ``tau`` of
-  ``curve``), the mean over the seeds (the control's curve is a distillation loss and is left out)."""
+  """``{PPOW arm: (steps [N], tau [N])}``: the training windows' ``tau`` at each step (rows of a
+  :data:`PPOW_CURVE` curve), the mean over the seeds (the control's curve is a distillation loss and is left out)."""
   out = {}
   for arm in saved["arms"]:
-    runs = [r for r in saved["runs"] if r["arm"] == arm and "tau" in r["curve_columns"].split("_")]
+    runs = [r for r in saved["runs"] if r["arm"] == arm and r["curve_columns"] == PPOW_CURVE]
     if runs:
-      column = runs[0]["curve_columns"].split("_").index("tau")
       n = min(len(r["curve"]) for r in runs)
       out[arm] = (np.asarray([row[0] for row in runs[0]["curve"][:n]]),
-                  np.mean([[row[column] for row in r["curve"][:n]] for r in runs], axis=0))
+                  np.mean([[row[1] for row in r["curve"][:n]] for r in runs], axis=0))
   return out
 
 
@@ -167,7 +167,7 @@ def plot(saved: Mapping[str, Any], path: str) -> str:
     for name, rates in mean_acceptance(saved, f"accept_{key}").items():
       ax.plot(np.arange(1, len(rates) + 1), rates, marker="o", label=name,
               linestyle="--" if name in ("start", "control") else "-")
-      ax.set_xticks(np.arange(1, len(rates) + 1))
+    ax.set_xticks(np.arange(1, saved["setup"]["num_draft"] + 1))
     ax.set_title(f"test acceptance per draft position, {label}")
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance rate")

@@ -74,6 +74,16 @@ def coupling_family(saved: Mapping[str, Any]) -> list[PairedComparison]:
                            [_mean_tau(r) - _mean_tau(c) for c, r in _pairs(saved, "residual", base="speculative")])]
 
 
+def per_step(saved: Mapping[str, Any], arm: str, value) -> np.ndarray:
+  """``[seeds, steps]``: ``value(plain row, arm row)`` at every step of every seed both ran (the steps all
+  those seeds have)."""
+  pairs = _pairs(saved, arm)
+  if not pairs:
+    return np.zeros((0, 0))
+  n = min(min(len(p["curve"]), len(a["curve"])) for p, a in pairs)
+  return np.asarray([[value(x, y) for x, y in zip(p["curve"][:n], a["curve"][:n])] for p, a in pairs])
+
+
 def step_ratios(saved: Mapping[str, Any], arm: str, key: str) -> np.ndarray:
   """``plain / arm`` of ``key`` (``step_s`` or ``time/sample_s``) per (seed, step)."""
   return per_step(saved, arm, lambda x, y: x[key] / y[key]).ravel()
@@ -92,16 +102,6 @@ def slower_speculative_steps(saved: Mapping[str, Any], arm: str) -> tuple[int, i
   on = per_step(saved, arm, lambda x, y: bool(y.get("rollout/speculative_on"))).ravel().astype(bool)
   spec = step_ratios(saved, arm, "step_s")[on]
   return int((spec < 1).sum()), int(spec.size), float(spec.min()) if spec.size else float("nan")
-
-
-def per_step(saved: Mapping[str, Any], arm: str, value) -> np.ndarray:
-  """``[seeds, steps]``: ``value(plain row, arm row)`` at every step of every seed both ran (the steps all
-  those seeds have)."""
-  pairs = _pairs(saved, arm)
-  if not pairs:
-    return np.zeros((0, 0))
-  n = min(min(len(p["curve"]), len(a["curve"])) for p, a in pairs)
-  return np.asarray([[value(x, y) for x, y in zip(p["curve"][:n], a["curve"][:n])] for p, a in pairs])
 
 
 def same_samples(saved: Mapping[str, Any], arm: str) -> tuple[int, int] | None:
