@@ -82,6 +82,7 @@ from lemon_rl.models.flops import train_flops
 from lemon_rl.rewards.combine import WeightedReward
 from lemon_rl.text.tokenizers import ByteTokenizer
 from lemon_rl.training import state as state_lib
+from lemon_rl.training.base_config import get_base_config
 from lemon_rl.training.rl import PolicyLoss, RLTrainer
 
 BATCH, PROMPT_LEN, NEW_TOKENS = 32, 64, 128
@@ -188,21 +189,16 @@ class FixedLengthTokenizer(ByteTokenizer):
 
 def trivial_reward(prompts, completions, completion_ids, **fields):
   del prompts, completions, fields
-  return np.array([len(c) % 2 for c in completion_ids], np.float32)  # Completions differ: never all-equal.
+  # Parity of the token-id sum: every completion has the same length, so its length would give every
+  # group equal rewards (zero advantages); TRL's reward, the parity of the decoded text's length, varies.
+  return np.array([int(np.sum(c)) % 2 for c in completion_ids], np.float32)
 
 
 def rl_config() -> config_dict.ConfigDict:
-  c = config_dict.ConfigDict()
+  """The base config's ``rl`` section with this benchmark's shapes: one on-policy pass over the whole batch."""
+  c = get_base_config().rl
   c.num_generations = GENERATIONS
   c.max_new_tokens = NEW_TOKENS
-  c.temperature, c.top_k, c.top_p = 1.0, 0, 1.0
-  c.advantage_estimator = "grpo"
-  c.policy_loss = "ppo_clip"
-  c.eps_low, c.eps_high, c.dual_clip = 0.2, None, None
-  c.aggregation = "token_mean"
-  c.max_len = None
-  c.kl_coef, c.kl_estimator, c.entropy_coef = 0.0, "k3", 0.0
-  c.use_tis, c.tis_cap = False, 2.0
   c.num_iterations, c.minibatch_size, c.microbatch_size = 1, 0, PROMPTS * GENERATIONS
   return c
 

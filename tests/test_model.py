@@ -1,5 +1,7 @@
 """The decoder: presets, options (remat, value head, dtypes), masking and config errors."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -260,3 +262,22 @@ def test_causal_attention_matches_grouped_attention_with_gradients(t, block_size
   g_ref = jax.jit(jax.grad(loss(ref), argnums=(0, 1, 2)))(q, keys, values)
   for a, r in zip(g_ours, g_ref):
     np.testing.assert_allclose(a, r, atol=1e-5, rtol=1e-5)
+
+
+def test_rope_table_lookup_equals_direct_evaluation_and_evaluates_only_the_table():
+  from lemon_rl.models.transformer import rope_inverse_frequencies, rope_tables  # pylint: disable=g-import-not-at-top
+  cfg = ModelConfig(**SMALL, num_layers=2)
+  positions = jnp.array([[0, 0, 1, 2, 3], [0, 1, 2, 3, 4]])
+  inv_freq = rope_inverse_frequencies(cfg)
+  for looked_up, direct in zip(rope_tables(positions, inv_freq, num_positions=5), rope_tables(positions, inv_freq)):
+    np.testing.assert_array_equal(looked_up, direct)  # The same float32 angles, so the same values.
+  # The training forward + backward evaluates sin/cos on the [T, D/2] table only, not per element of the
+  # [B, T, N, D] tensors it rotates (which XLA would do if the tables were fused into their consumers).
+  model = Transformer(cfg, rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(model, nnx.Param)
+  ids, mask = jnp.ones((4, 16), jnp.int32), jnp.ones((4, 16), jnp.int32)
+  loss = lambda p: jnp.sum(nnx.merge(graphdef, p)(ids, mask))
+  hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+  sine_sizes = [int(np.prod([int(d) for d in shape.split(",") if d]))
+                for shape in re.findall(r"f32\[([\d,]*)\]\S* (?:sine|cosine)\(", hlo)]
+  assert sine_sizes and max(sine_sizes) <= 16 * cfg.head_dim // 2, sine_sizes
