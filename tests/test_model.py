@@ -9,7 +9,8 @@ import pytest
 from flax import nnx
 
 from lemon_rl.models import ModelConfig, Transformer, get_preset, preset_names
-from lemon_rl.models.transformer import causal_attention, grouped_attention
+from lemon_rl.models.transformer import (causal_attention, grouped_attention, rope_inverse_frequencies,
+                                         rope_tables)
 from lemon_rl.sampling.sampler import right_pad
 
 SMALL = dict(vocab_size=50, hidden_size=32, num_heads=4, num_kv_heads=2, mlp_dim=64)
@@ -265,7 +266,6 @@ def test_causal_attention_matches_grouped_attention_with_gradients(t, block_size
 
 
 def test_rope_table_lookup_equals_direct_evaluation_and_evaluates_only_the_table():
-  from lemon_rl.models.transformer import rope_inverse_frequencies, rope_tables  # pylint: disable=g-import-not-at-top
   cfg = ModelConfig(**SMALL, num_layers=2)
   positions = jnp.array([[0, 0, 1, 2, 3], [0, 1, 2, 3, 4]])
   inv_freq = rope_inverse_frequencies(cfg)
@@ -275,9 +275,10 @@ def test_rope_table_lookup_equals_direct_evaluation_and_evaluates_only_the_table
   # [B, T, N, D] tensors it rotates (which XLA would do if the tables were fused into their consumers).
   model = Transformer(cfg, rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(model, nnx.Param)
-  ids, mask = jnp.ones((4, 16), jnp.int32), jnp.ones((4, 16), jnp.int32)
+  seq_len = 16
+  ids, mask = jnp.ones((4, seq_len), jnp.int32), jnp.ones((4, seq_len), jnp.int32)
   loss = lambda p: jnp.sum(nnx.merge(graphdef, p)(ids, mask))
   hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
   sine_sizes = [int(np.prod([int(d) for d in shape.split(",") if d]))
                 for shape in re.findall(r"f32\[([\d,]*)\]\S* (?:sine|cosine)\(", hlo)]
-  assert sine_sizes and max(sine_sizes) <= 16 * cfg.head_dim // 2, sine_sizes
+  assert sine_sizes and max(sine_sizes) <= seq_len * cfg.head_dim // 2, sine_sizes

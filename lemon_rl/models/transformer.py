@@ -444,11 +444,10 @@ class Transformer(nnx.Module):
     """
     b, t = input_ids.shape
     mask = jnp.ones((b, t), bool) if attention_mask is None else attention_mask.astype(bool)
+    num_positions = None  # Positions given by the caller may be t or more.
     if positions is None:
-      positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
-      rope = rope_tables(positions, rope_inverse_frequencies(self.cfg), num_positions=t)
-    else:
-      rope = rope_tables(positions, rope_inverse_frequencies(self.cfg))
+      positions, num_positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0), t
+    rope = rope_tables(positions, rope_inverse_frequencies(self.cfg), num_positions)
     x2 = self.embed_tokens(input_ids)
 
     def run_block(block, x2):
