@@ -3,7 +3,9 @@
 Greedy, CPU, prompts of 64 tokens, 128 new tokens, no early stop, batch 1 / 8 / 32, on the Qwen2-shaped
 benchmark model (vocab 512, d 256, 4 layers, 8 heads, 4 KV heads, MLP 1024). Prefill and decode are timed
 separately (for ``transformers``: one cached forward over the prompt, and ``generate`` minus that).
-Each figure is the best of ``--repeats`` runs after a warm-up (compilation excluded).
+Each figure is the best of ``--repeats`` runs after a warm-up (compilation excluded); the runs of the
+implementations being compared alternate, so that a change of the host's speed during the script (memory
+contention from other guests moves small-batch decode by up to 2x) reaches both alike.
 
 Long-prompt groups (GRPO's layout, shared prompt prefixes): 8 distinct prompts of 512 tokens, each repeated
 ``G = 8`` times (batch 64), 128 new tokens, greedy. lemon_rl's ``generate`` prefills each distinct prompt once
@@ -31,6 +33,7 @@ if __name__ == "__main__":
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import argparse
+import math
 import tempfile
 import time
 
@@ -48,17 +51,24 @@ from lemon_rl.sampling import sampler as sampler_lib
 PROMPT_LEN, NEW_TOKENS = 64, 128
 
 
-def best_time(fn, repeats: int) -> float:
-  fn()  # warm-up / compile
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
+def best_times(timers: dict, repeats: int) -> dict:
+  """``timers``: ``{name: (prefill function, whole-call function)}``; returns ``{name: (prefill s, call s)}``,
+  each the best of ``repeats`` rounds that run every function once, in turn, after one warm-up (compilation)
+  call of each."""
+  fns = [(name, part, fn) for name, pair in timers.items() for part, fn in enumerate(pair)]
+  for _, _, fn in fns:
     fn()
-    times.append(time.perf_counter() - start)
-  return min(times)
+  best = {}
+  for _ in range(repeats):
+    for name, part, fn in fns:
+      start = time.perf_counter()
+      fn()
+      best[name, part] = min(best.get((name, part), math.inf), time.perf_counter() - start)
+  return {name: (best[name, 0], best[name, 1]) for name in timers}
 
 
-def time_lemon(model, prompts, repeats):
+def lemon_timers(model, prompts):
+  """``(prefill, whole generate call)`` functions of lemon_rl on ``prompts``."""
   ids, mask = sampler_lib.right_pad(prompts, PROMPT_LEN, 0)
   ids, mask = jnp.asarray(ids), jnp.asarray(mask)
   graphdef, state = nnx.split(model)
@@ -71,10 +81,11 @@ def time_lemon(model, prompts, repeats):
     out = sampler_lib.generate(model, prompts, NEW_TOKENS, jax.random.key(0), temperature=0.0)
     assert out.tokens.shape == (len(prompts), NEW_TOKENS)
 
-  return best_time(prefill, repeats), best_time(full, repeats)
+  return prefill, full
 
 
-def time_hf(hf_model, prompts, repeats):
+def hf_timers(hf_model, prompts):
+  """``(prefill, whole generate call)`` functions of ``transformers`` on ``prompts``."""
   ids = torch.tensor(prompts)
 
   def prefill():
@@ -87,7 +98,7 @@ def time_hf(hf_model, prompts, repeats):
                               pad_token_id=0, eos_token_id=None)
     assert out.shape == (len(prompts), PROMPT_LEN + NEW_TOKENS)
 
-  return best_time(prefill, repeats), best_time(full, repeats)
+  return prefill, full
 
 
 def time_group(model, hf_model, prompt_len, new_tokens, num_prompts, group_size, repeats):
@@ -131,14 +142,12 @@ def time_group(model, hf_model, prompt_len, new_tokens, num_prompts, group_size,
                               pad_token_id=0, eos_token_id=None)
     assert out.shape == (len(prompts), prompt_len + new_tokens)
 
-  times = {
-      f"lemon_rl shared ({num_prompts} rows)": (best_time(shared_prefill, repeats),
-                                                best_time(lemon_call(True), repeats)),
-      f"lemon_rl every row ({len(prompts)})": (best_time(every_row_prefill, repeats),
-                                               best_time(lemon_call(False), repeats)),
-      f"transformers ({len(prompts)} rows)": (best_time(hf_prefill, repeats), best_time(hf_call, repeats)),
+  timers = {
+      f"lemon_rl shared ({num_prompts} rows)": (shared_prefill, lemon_call(True)),
+      f"lemon_rl every row ({len(prompts)})": (every_row_prefill, lemon_call(False)),
+      f"transformers ({len(prompts)} rows)": (hf_prefill, hf_call),
   }
-  return times, bool(np.array_equal(outputs[True].tokens, outputs[False].tokens))
+  return best_times(timers, repeats), bool(np.array_equal(outputs[True].tokens, outputs[False].tokens))
 
 
 def main():
@@ -177,9 +186,9 @@ def main():
   rng = np.random.default_rng(0)
   for b in batches:
     prompts = rng.integers(1, cfg.vocab_size, size=(b, PROMPT_LEN)).tolist()
+    timers = {"lemon_rl": lemon_timers(model, prompts), "transformers": hf_timers(hf_model, prompts)}
     rows = {}
-    for name, fn, m in (("lemon_rl", time_lemon, model), ("transformers", time_hf, hf_model)):
-      prefill_s, full_s = fn(m, prompts, args.repeats)
+    for name, (prefill_s, full_s) in best_times(timers, args.repeats).items():
       decode_s = max(full_s - prefill_s, 1e-9)
       rows[name] = b * NEW_TOKENS / full_s
       print(f"{b:>5} | {name:>12} | {prefill_s * 1e3:>10.1f} | {b * NEW_TOKENS / decode_s:>12.0f} | "
