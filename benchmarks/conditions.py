@@ -49,6 +49,10 @@ ISA_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 LIBRARIES = ("jax", "jaxlib", "flax", "numpy", "torch", "transformers", "trl")
 LOAD_THRESHOLD = 0.25  # CPUs: other processes' average use, or the 1-minute load average at import.
 PEAK_N = 2048
+# Untimed idle before each timed call when a script alternates lemon_rl with torch: torch's OpenMP workers keep
+# spinning after a call and the two thread pools compete, so a call started right after the other library's
+# measured 15-30% slower (batch 1-8 decode, 2026-12-07, AVX2 host).
+SETTLE_S = 0.5
 
 
 # -- pure helpers (text in, values out) ------------------------------------------------------------------------

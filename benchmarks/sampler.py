@@ -49,9 +49,6 @@ from lemon_rl.models import Transformer, get_preset, to_hf
 from lemon_rl.sampling import sampler as sampler_lib
 
 PROMPT_LEN, NEW_TOKENS = 64, 128
-# Idle time before each timed call (untimed): torch's OpenMP workers spin for a while after a call, and a JAX
-# call started right after a torch one measured 15-30% slower at batch 1-8 decode (2026-12-07, AVX2 host).
-SETTLE_S = 0.5
 
 
 def best_times(timers: dict, repeats: int) -> dict:
@@ -64,7 +61,7 @@ def best_times(timers: dict, repeats: int) -> dict:
   best = {}
   for _ in range(repeats):
     for name, part, fn in fns:
-      time.sleep(SETTLE_S)
+      time.sleep(conditions.SETTLE_S)
       start = time.perf_counter()
       fn()
       best[name, part] = min(best.get((name, part), math.inf), time.perf_counter() - start)

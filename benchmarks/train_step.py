@@ -95,7 +95,8 @@ def cpu_seconds() -> float:
 
 
 def interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1):
-  """Runs every function ``warmup`` times, then ``repeats`` rounds in turn.
+  """Runs every function ``warmup`` times, then ``repeats`` rounds in turn, each call after an untimed
+  ``conditions.SETTLE_S`` pause.
 
   Returns ``{name: (best wall s, median wall s, median cpu s)}``.
   """
@@ -106,6 +107,7 @@ def interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup: int 
   cpus = {k: [] for k in fns}
   for _ in range(repeats):
     for name, fn in fns.items():
+      time.sleep(conditions.SETTLE_S)
       c0, t0 = cpu_seconds(), time.perf_counter()
       fn()
       walls[name].append(time.perf_counter() - t0)
