@@ -131,7 +131,7 @@ def test_uniform_prefixes_equal_choose_prefixes_without_adaw(spec_workdir):
 
 def test_plotted_acceptance_and_training_tau_by_hand():
   ppow_run = lambda seed, accept, taus: {"arm": "full", "seed": seed, "test": {"accept_greedy": accept},
-                                         "curve_columns": "step_tau_reward_kl",
+                                         "curve_columns": report.PPOW_CURVE,
                                          "curve": [[i + 1, t, 0.0, 0.0] for i, t in enumerate(taus)]}
   saved = {"seeds": [0, 1], "arms": ["control", "full"],
            "start": {"0": {"test": {"accept_greedy": [0.6, 0.2]}}, "1": {"test": {"accept_greedy": [0.8, 0.4]}}},
