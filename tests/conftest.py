@@ -14,11 +14,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # The tests' programs are tiny and compile for far longer than they run. LLVM at -O0 (XLA's HLO passes still
 # run) cuts the suite's CPU time by about a fifth, e.g. tests/test_rollout.py 41 -> 29 CPU s and
-# tests/test_speculative.py 90 -> 72 CPU s on the 2-core Xeon. Workers and subprocesses inherit the setting; a run
-# that chooses its own optimisation level keeps it.
-_FAST_COMPILE = "--xla_backend_optimization_level=0"
-if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
+# tests/test_speculative.py 90 -> 72 CPU s on the 2-core Xeon. XLA:CPU's MLIR fusion emitters run an MLIR pass
+# pipeline per fusion (a sixth of a tiny reproduction's CPU time under perf); its elemental LLVM IR emitters
+# compile the same fusions without it: tests/test_rollout.py + tests/test_drafter.py 71 -> 44 CPU s (Xeon,
+# 2026-12-07). Workers and subprocesses inherit the settings; a run that sets either flag itself keeps its own.
+_FAST_COMPILE = {"--xla_backend_optimization_level": "0", "--xla_cpu_use_fusion_emitters": "false"}
+for _flag, _value in _FAST_COMPILE.items():
+  if _flag not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}={_value}".strip()
 
 
 @pytest.fixture
