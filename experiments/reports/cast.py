@@ -14,6 +14,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from experiments.reports import figures
+
 TITLE = "CAST"
 RESULTS_FILE = "experiments/results/cast/results.json"
 PLOT_DIR = "experiments/results/cast"
@@ -51,18 +53,14 @@ PLOTS = ("accuracy.png", "think_length.png", "training.png")
 
 def plot(results: dict[str, Any], path_dir: str) -> list[str]:
   """Held-out accuracy and think length (all / easy / hard) against RL step, mean over seeds."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-
   os.makedirs(path_dir, exist_ok=True)
   paths = []
-  panels = {"accuracy.png": [("accuracy", "held-out exact accuracy")],
+  panel_keys = {"accuracy.png": [("accuracy", "held-out exact accuracy")],
             "think_length.png": [("think_len", "think length (all)"), ("think_len_easy", "think length (easy)"),
                                  ("think_len_hard", "think length (hard)")]}
-  for name, keys in panels.items():
-    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.6), squeeze=False)
-    for ax, (key, title) in zip(axes[0], keys):
+  for name, keys in panel_keys.items():
+    fig, axes = figures.panels(len(keys), height=3.6)
+    for ax, (key, title) in zip(axes, keys):
       for variant, rows in results.items():
         curves = rows["eval_curves"]
         if variant == "sft_only" or not curves:
@@ -75,22 +73,16 @@ def plot(results: dict[str, Any], path_dir: str) -> list[str]:
         ax.plot(steps, ys, marker="o", label=variant)
       ax.set_title(title)
       ax.set_xlabel("RL step")
-      ax.grid(alpha=0.3)
-      ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = os.path.join(path_dir, name)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    paths.append(path)
+    paths.append(figures.save(fig, axes, os.path.join(path_dir, name)))
   # Training-time think length and normalised advantage variance per RL step.
-  fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), squeeze=False)
+  fig, axes = figures.panels(2, height=3.6)
   for variant, rows in results.items():
     curves = rows["train_curves"]
     if variant == "sft_only" or not curves:
       continue
     n = min(len(c) for c in curves)
     steps = [curves[0][i]["step"] for i in range(n)]
-    for ax, key in zip(axes[0], ("think_len", "advantage/normalized_variance")):
+    for ax, key in zip(axes, ("think_len", "advantage/normalized_variance")):
       ys = []
       for i in range(n):
         vals = []
@@ -104,13 +96,7 @@ def plot(results: dict[str, Any], path_dir: str) -> list[str]:
       ax.plot(steps, ys, label=variant)
       ax.set_title(f"train: {key}")
       ax.set_xlabel("RL step")
-      ax.grid(alpha=0.3)
-      ax.legend(fontsize=7)
-  fig.tight_layout()
-  path = os.path.join(path_dir, "training.png")
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  paths.append(path)
+  paths.append(figures.save(fig, axes, os.path.join(path_dir, "training.png")))
   return paths
 
 

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from experiments.reports import figures
 from lemon_rl.eval.stats import PairedComparison, format_mean_ci, format_paired_table, holm_paired_intervals
 
 TITLE = "FEST"
@@ -175,10 +176,7 @@ def render(saved: Mapping[str, Any]) -> str:
 
 def plot(saved: Mapping[str, Any], path: str) -> None:
   """Greedy hard-test accuracy over RL steps, one line per run, one colour per arm."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, ax = plt.subplots(figsize=(7, 4))
+  fig, (ax,) = figures.panels(1, width=7.0, height=4.0)
   colors = dict(zip(LABELS, ("grey", "k", "tab:orange", "tab:red", "tab:blue", "tab:green", "tab:olive")))
   labelled = set()
   for r in saved["runs"]:
@@ -190,7 +188,4 @@ def plot(saved: Mapping[str, Any], path: str) -> None:
     labelled.add(r["arm"])
   ax.set_xlabel("RL step")
   ax.set_ylabel("greedy hard-test accuracy")
-  ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  figures.save(fig, [ax], path)

@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from experiments.reports import figures
 from lemon_rl.eval.stats import PairedComparison, format_mean_ci, format_paired_table, holm_paired_intervals
 
 TITLE = "GRPO arithmetic (default experiment)"
@@ -81,15 +82,11 @@ def render(saved: Mapping[str, Any]) -> str:
 
 def plot(saved: Mapping[str, Any], path: str) -> None:
   """Accuracy and carry-less share against cumulative training FLOPs: SFT, then GRPO or more SFT."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-
   per_step, sft_steps = saved["setup"]["flops_per_step"], saved["setup"]["sft_steps"]
   offset = {"sft": 0.0, "rl": sft_steps * per_step["sft"], "continued_sft": sft_steps * per_step["sft"]}
   style = {("grpo", "sft"): ("tab:gray", "SFT"), ("grpo", "rl"): ("tab:red", "GRPO"),
            ("sft_control", "continued_sft"): ("tab:blue", "more SFT (same FLOPs as GRPO)")}
-  fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+  fig, axes = figures.panels(2, width=5.5)
   for ax, key, title in zip(axes, ("accuracy", "carryless"), ("held-out accuracy", "carry-less answers")):
     labelled = set()
     for s in saved["seeds"]:
@@ -103,8 +100,4 @@ def plot(saved: Mapping[str, Any], path: str) -> None:
     ax.axvline(offset["rl"] / 1e12, color="k", lw=0.5, ls=":")
     ax.set_xlabel("cumulative training TFLOP (analytic)")
     ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  figures.save(fig, axes, path)

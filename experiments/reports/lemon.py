@@ -14,6 +14,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from experiments import results_md
+from experiments.reports import figures
 from lemon_rl.eval.stats import PairedComparison, format_mean_ci, format_paired_table, holm_paired_intervals
 
 TITLE = "LEMON orchestration"
@@ -172,11 +173,7 @@ def render(saved: Mapping[str, Any]) -> str:
 
 def plot(saved: Mapping[str, Any], path: str) -> None:
   """Reward and worker tokens per RL step, mean over seeds, one line per RL arm."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-
-  fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+  fig, axes = figures.panels(2, width=5.5)
   for ax, key, title in zip(axes, ("reward/total/mean", "lemon/worker_tokens"), ("reward", "worker tokens")):
     for arm in ARMS:
       curves = [s["arms"][arm]["curves"].get(key, []) for s in saved["seeds"] if arm in s["arms"]]
@@ -190,8 +187,4 @@ def plot(saved: Mapping[str, Any], path: str) -> None:
       ax.plot(xs, ys, label=LABELS[arm])
     ax.set_xlabel("RL step")
     ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  figures.save(fig, axes, path)
