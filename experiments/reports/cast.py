@@ -56,8 +56,8 @@ def plot(results: dict[str, Any], path_dir: str) -> list[str]:
   os.makedirs(path_dir, exist_ok=True)
   paths = []
   panel_keys = {"accuracy.png": [("accuracy", "held-out exact accuracy")],
-            "think_length.png": [("think_len", "think length (all)"), ("think_len_easy", "think length (easy)"),
-                                 ("think_len_hard", "think length (hard)")]}
+                "think_length.png": [("think_len", "think length (all)"), ("think_len_easy", "think length (easy)"),
+                                     ("think_len_hard", "think length (hard)")]}
   for name, keys in panel_keys.items():
     fig, axes = figures.panels(len(keys), height=3.6)
     for ax, (key, title) in zip(axes, keys):
