@@ -18,10 +18,22 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # pipeline per fusion (a sixth of a tiny reproduction's CPU time under perf); its elemental LLVM IR emitters
 # compile the same fusions without it: tests/test_rollout.py + tests/test_drafter.py 71 -> 44 CPU s (Xeon,
 # 2026-12-07). Workers and subprocesses inherit the settings; a run that sets either flag itself keeps its own.
+# XLA aborts a process on a flag it does not know, so a jaxlib that has dropped one runs without it.
 _FAST_COMPILE = {"--xla_backend_optimization_level": "0", "--xla_cpu_use_fusion_emitters": "false"}
-for _flag, _value in _FAST_COMPILE.items():
-  if _flag not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}={_value}".strip()
+
+
+def _xla_accepts(flags: str) -> bool:
+  """Whether this jaxlib's XLA starts with ``XLA_FLAGS=flags`` (asked of a child process: ~2 s, once per run)."""
+  probe = [sys.executable, "-c", "import jax; jax.numpy.zeros(1).block_until_ready()"]
+  return subprocess.run(probe, env=dict(os.environ, XLA_FLAGS=flags), capture_output=True, timeout=300).returncode == 0
+
+
+_missing = [f"{flag}={value}" for flag, value in _FAST_COMPILE.items() if flag not in os.environ.get("XLA_FLAGS", "")]
+if _missing:
+  _base = os.environ.get("XLA_FLAGS", "")
+  if not _xla_accepts(" ".join([_base, *_missing])):
+    _missing = [f for f in _missing if _xla_accepts(f"{_base} {f}")]
+  os.environ["XLA_FLAGS"] = " ".join([_base, *_missing]).strip()
 
 
 @pytest.fixture
