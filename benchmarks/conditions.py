@@ -40,6 +40,7 @@ import os
 import platform
 import re
 import resource
+import statistics
 import sys
 import time
 from typing import Iterable, Mapping, NamedTuple
@@ -53,6 +54,32 @@ PEAK_N = 2048
 # spinning after a call and the two thread pools compete, so a call started right after the other library's
 # measured 15-30% slower (batch 1-8 decode, 2026-12-07, AVX2 host).
 SETTLE_S = 0.5
+
+
+def interleaved(fns: Mapping, repeats: int, warmup: int = 1) -> dict:
+  """Runs every function ``warmup`` times, then ``repeats`` rounds in turn, each call after an untimed
+  ``SETTLE_S`` pause, so that a change of the host's speed during the script reaches every function alike.
+
+  Returns ``{name: (best wall s, median wall s, median cpu s)}`` (CPU time of this process, all threads).
+  """
+  for fn in fns.values():
+    for _ in range(warmup):
+      fn()
+  walls = {k: [] for k in fns}
+  cpus = {k: [] for k in fns}
+  for _ in range(repeats):
+    for name, fn in fns.items():
+      time.sleep(SETTLE_S)
+      c0, t0 = _self_cpu_seconds(), time.perf_counter()
+      fn()
+      walls[name].append(time.perf_counter() - t0)
+      cpus[name].append(_self_cpu_seconds() - c0)
+  return {k: (min(walls[k]), statistics.median(walls[k]), statistics.median(cpus[k])) for k in fns}
+
+
+def _self_cpu_seconds() -> float:
+  usage = resource.getrusage(resource.RUSAGE_SELF)
+  return usage.ru_utime + usage.ru_stime
 
 
 # -- pure helpers (text in, values out) ------------------------------------------------------------------------

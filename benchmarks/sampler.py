@@ -33,9 +33,7 @@ if __name__ == "__main__":
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import argparse
-import math
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
@@ -53,18 +51,9 @@ PROMPT_LEN, NEW_TOKENS = 64, 128
 
 def best_times(timers: dict, repeats: int) -> dict:
   """``timers``: ``{name: (prefill function, whole-call function)}``; returns ``{name: (prefill s, call s)}``,
-  each the best of ``repeats`` rounds that run every function once, in turn, after one warm-up (compilation)
-  call of each."""
-  fns = [(name, part, fn) for name, pair in timers.items() for part, fn in enumerate(pair)]
-  for _, _, fn in fns:
-    fn()
-  best = {}
-  for _ in range(repeats):
-    for name, part, fn in fns:
-      time.sleep(conditions.SETTLE_S)
-      start = time.perf_counter()
-      fn()
-      best[name, part] = min(best.get((name, part), math.inf), time.perf_counter() - start)
+  each the best of ``repeats`` alternated rounds (:func:`conditions.interleaved`)."""
+  fns = {(name, part): fn for name, pair in timers.items() for part, fn in enumerate(pair)}
+  best = {key: times[0] for key, times in conditions.interleaved(fns, repeats).items()}
   return {name: (best[name, 0], best[name, 1]) for name in timers}
 
 

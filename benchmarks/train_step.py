@@ -63,10 +63,8 @@ if __name__ == "__main__":
 import argparse
 import functools
 import math
-import resource
 import tempfile
 import time
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -87,32 +85,6 @@ from lemon_rl.training.rl import PolicyLoss, RLTrainer
 
 BATCH, PROMPT_LEN, NEW_TOKENS = 32, 64, 128
 PROMPTS, GENERATIONS = 4, 8
-
-
-def cpu_seconds() -> float:
-  usage = resource.getrusage(resource.RUSAGE_SELF)
-  return usage.ru_utime + usage.ru_stime
-
-
-def interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1):
-  """Runs every function ``warmup`` times, then ``repeats`` rounds in turn, each call after an untimed
-  ``conditions.SETTLE_S`` pause.
-
-  Returns ``{name: (best wall s, median wall s, median cpu s)}``.
-  """
-  for fn in fns.values():
-    for _ in range(warmup):
-      fn()
-  walls = {k: [] for k in fns}
-  cpus = {k: [] for k in fns}
-  for _ in range(repeats):
-    for name, fn in fns.items():
-      time.sleep(conditions.SETTLE_S)
-      c0, t0 = cpu_seconds(), time.perf_counter()
-      fn()
-      walls[name].append(time.perf_counter() - t0)
-      cpus[name].append(cpu_seconds() - c0)
-  return {k: (min(walls[k]), float(np.median(walls[k])), float(np.median(cpus[k]))) for k in fns}
 
 
 def make_batch(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
@@ -326,9 +298,9 @@ def main():
   flops = train_flops(cfg, BATCH, PROMPT_LEN + NEW_TOKENS)
   lemon_run, xla_flops = lemon_forward_backward(model, batch)
   # The peak's samples: the header's, and more interleaved with the steps (the same machine load).
-  res = interleaved({"peak": cond.peak, "lemon_rl": lemon_run,
+  res = conditions.interleaved({"peak": cond.peak, "lemon_rl": lemon_run,
                      "transformers": torch_forward_backward(hf_model, batch)}, args.repeats)
-  interleaved({"peak": cond.peak}, 4 * args.repeats, warmup=0)
+  conditions.interleaved({"peak": cond.peak}, 4 * args.repeats, warmup=0)
   ncpu = len(os.sched_getaffinity(0))
   peak = cond.peak.flops_per_s
   print(f"\n(a) forward + backward, {BATCH} x ({PROMPT_LEN} + {NEW_TOKENS}) tokens, "
@@ -360,7 +332,7 @@ def main():
     else:
       lemon_step, holder = lemon_grpo_step(model)
       lemon_step()  # Compiles.
-      ours = interleaved({"lemon_rl": lemon_step}, args.repeats, warmup=0)["lemon_rl"]
+      ours = conditions.interleaved({"lemon_rl": lemon_step}, args.repeats, warmup=0)["lemon_rl"]
       m = holder["metrics"]
       trl_times = trl_grpo_step(tmp.name, cfg.vocab_size, args.repeats)
       trl_best = min(trl_times["step"][1:])
