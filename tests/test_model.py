@@ -226,6 +226,28 @@ def test_take_equals_prefilling_each_copy(small_model):
   np.testing.assert_allclose(_logits(model, hidden), want, atol=f32_tol(full))
 
 
+def test_grow_equals_prefilling_with_the_larger_capacity(small_model):
+  model = small_model
+  ids, mask = _right_padded(PROMPTS)
+  _, small = _prefill(model, ids, mask, num_slots=5)  # Full for row 1: no room for a token.
+  _, large = _prefill(model, ids, mask, num_slots=9)
+  grown = small.grow(9)
+  assert grown.num_slots == 9
+  np.testing.assert_array_equal(grown.lengths, large.lengths)
+  for a, b in zip(jax.tree.leaves(grown), jax.tree.leaves(large)):  # Valid slots equal, empty slots zero.
+    assert a.shape == b.shape
+    np.testing.assert_allclose(a, b, atol=f32_tol(b))
+  hidden, extended = _extend(model, jnp.asarray(NEW), grown)  # Row 1 into slots 5..7, beyond the old 5.
+  np.testing.assert_array_equal(extended.lengths, [6, 8, 4])
+  seqs = [p + n for p, n in zip(PROMPTS, NEW)]
+  full = _forward(model, *_right_padded(seqs))
+  want = np.stack([full[i, len(s) - 3:len(s)] for i, s in enumerate(seqs)])
+  np.testing.assert_allclose(_logits(model, hidden), want, atol=f32_tol(full))
+  assert small.grow(5).num_slots == 5
+  with pytest.raises(ValueError, match="cannot grow"):
+    large.grow(8)
+
+
 def test_extend_without_room_leaves_the_row_unchanged(small_model):
   model = small_model
   ids, mask = _right_padded([[1, 2, 3, 4], [5]])

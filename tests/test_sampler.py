@@ -186,6 +186,35 @@ def test_compiles_once_per_bucket_and_length(model):
   assert sampler_lib._prefill._cache_size() == 2
 
 
+def test_decode_capacities():
+  assert sampler_lib.decode_capacities(64, 128) == [96, 128, 160, 192]
+  assert sampler_lib.decode_capacities(64, 16) == [80]  # Never fewer than MIN_SEGMENT_STEPS steps.
+  assert sampler_lib.decode_capacities(16, 40) == [48, 56]
+  assert sampler_lib.decode_capacities(8, 1000) == [258, 508, 758, 1008]  # At most MAX_DECODE_SEGMENTS.
+  assert sampler_lib.decode_capacities(16, 33) == [48, 49]
+
+
+# Two segments (32 + 8 steps, the cache grown from 48 to 56 slots) against one loop over the 56-slot cache:
+# the same computation but for the masked slots a softmax sums over, hence the same tokens, and log-probs
+# equal up to the float32 rounding of those sums (1e-5, as for the teacher-forced comparison above).
+@pytest.mark.parametrize("temperature,top_k,coupled", [(0.0, 0, False), (1.0, 0, False), (0.8, 5, True)])
+def test_segmented_decode_equals_one_loop_over_the_whole_cache(model, monkeypatch, temperature, top_k,
+                                                                coupled):
+  prompts = [[3, 7, 9, 11, 2], [5], [8, 8, 8, 1, 2, 3, 4, 5, 6, 7, 9], [5]]  # Rows 1 and 3 share a prompt.
+  kwargs = dict(temperature=temperature, top_k=top_k, coupled=coupled, eos_ids=9)
+  sampler_lib._decode.clear_cache()
+  segmented = generate(model, prompts, 40, jax.random.key(5), **kwargs)
+  assert sampler_lib._decode._cache_size() == 2  # One compiled loop per segment capacity.
+  monkeypatch.setattr(sampler_lib, "MIN_SEGMENT_STEPS", 1000)
+  whole = generate(model, prompts, 40, jax.random.key(5), **kwargs)
+  np.testing.assert_array_equal(segmented.tokens, whole.tokens)
+  np.testing.assert_array_equal(segmented.lengths, whole.lengths)
+  assert segmented.finish_reasons == whole.finish_reasons
+  np.testing.assert_allclose(segmented.log_probs, whole.log_probs, atol=1e-5)
+  # Covered: a row stopped by EOS and a row decoded through both segments (for this model and key).
+  assert "eos" in segmented.finish_reasons and segmented.lengths.max() == 40
+
+
 def test_bad_arguments_raise(model):
   with pytest.raises(ValueError, match="at least one token"):
     generate(model, [[1], []], 4, jax.random.key(0))

@@ -95,6 +95,18 @@ class KVCache(NamedTuple):
     pick = lambda x: jnp.take(x, rows, axis=0, mode="clip")
     return KVCache(tuple(map(pick, self.keys)), tuple(map(pick, self.values)), pick(self.lengths))
 
+  def grow(self, num_slots: int) -> "KVCache":
+    """The same cache with capacity ``num_slots >= S``: every buffer padded with empty (zero) slots.
+
+    Lets a decode loop attend over (and read) only the slots it can have filled so far, and continue in
+    a larger cache later (``lemon_rl.sampling.generate``); the rows, lengths and valid slots are unchanged.
+    """
+    extra = num_slots - self.num_slots
+    if extra < 0:
+      raise ValueError(f"cannot grow a cache of {self.num_slots} slots to {num_slots}")
+    pad = lambda x, axis: jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)])
+    return KVCache(tuple(pad(x, 3) for x in self.keys), tuple(pad(x, 2) for x in self.values), self.lengths)
+
 
 def write_rows(buffer: jax.Array, new: jax.Array, start: jax.Array, slot_axis: int = 2) -> jax.Array:
   """Writes ``new`` into slots ``[start[b], start[b] + k)`` of every row ``b`` along ``slot_axis``.

@@ -14,10 +14,16 @@ inside the same jitted prefill): the prefill costs ``P / B`` of prefilling every
 unchanged. Rows then see the same keys, values and logits as with a prefill of their own (up to float32
 rounding of a matmul run at another batch size), so a key gives the same tokens.
 
-The whole decode loop is one ``jax.lax.while_loop`` inside one jitted call (each step one
-``Transformer.extend`` of one token per row), so a batch costs one dispatch; compiled functions are cached
-per (model graph, batch, prompt bucket, max new tokens, sampling mode, number of EOS ids), and the shared
-prefill per (distinct prompts ``P``, batch, prompt bucket, cache slots).
+The decode loop is a ``jax.lax.while_loop`` inside a jitted call (each step one ``Transformer.extend`` of
+one token per row). A cache sized for the whole completion would make every step attend over (and read)
+all ``prompt bucket + max_new_tokens`` slots, most of them still empty; at batch 32 the cache is larger than
+the weights and that read is most of a step. So the loop runs in at most :data:`MAX_DECODE_SEGMENTS`
+segments of at least :data:`MIN_SEGMENT_STEPS` steps (:func:`decode_capacities`): each with a cache just
+large enough for its last step, grown with empty slots between segments (:meth:`KVCache.grow`). The tokens
+and the random draws are those of one loop over the full cache (the extra slots are masked; logits agree up
+to the float32 rounding of a softmax over more masked slots). Compiled functions are cached per (model
+graph, batch, prompt bucket, cache slots, max new tokens, sampling mode, number of EOS ids): one decode loop
+per segment capacity, and the shared prefill per (distinct prompts ``P``, batch, prompt bucket, slots).
 """
 
 from __future__ import annotations
@@ -131,40 +137,84 @@ def _prefill_shared(graphdef, state, ids, mask, rows, num_slots):
   hidden, cache = model.prefill(ids, mask, num_slots)
   logits = constrain(jnp.take(model.logits_from_hidden(hidden), rows, axis=0, mode="clip"),
                      ("batch", "vocab"))
-  cache = cache.take(rows)
+  return logits, _constrain_cache(cache.take(rows))
+
+
+def _constrain_cache(cache: KVCache) -> KVCache:
+  """The cache's buffers constrained to the decode loop's sharding (batch, KV heads)."""
   keys = tuple(constrain(x, ("batch", "kv_heads", "head_dim", "seq")) for x in cache.keys)
   values = tuple(constrain(x, ("batch", "kv_heads", "seq", "head_dim")) for x in cache.values)
-  return logits, KVCache(keys, values, cache.lengths)
+  return KVCache(keys, values, cache.lengths)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "filtering", "coupled"),
-                   donate_argnames=("cache",))
-def _decode(graphdef, state, cache: KVCache, logits, rng, temperature, top_k, top_p, eos_ids, pad_id,
-            *, max_new_tokens, greedy, filtering, coupled=False):
-  """The decode loop from a prefilled cache; ``logits [B, V]`` are those of each row's last token.
+@functools.partial(jax.jit, static_argnames=("num_slots",))
+def _grow(cache: KVCache, num_slots: int) -> KVCache:
+  return _constrain_cache(cache.grow(num_slots))
+
+
+MIN_SEGMENT_STEPS = 32  # Decode steps of a segment (the last may be shorter when max_new_tokens is).
+MAX_DECODE_SEGMENTS = 4  # Compiled decode loops per generate shape.
+
+
+def decode_capacities(prompt_len: int, max_new_tokens: int) -> list[int]:
+  """The cache capacity of each decode segment (module docstring), ending at ``prompt_len + max_new_tokens``.
+
+  Segment ``j`` runs decode steps ``[c_{j-1} - prompt_len, c_j - prompt_len)`` (``c_{-1} = prompt_len``):
+  step ``i`` writes slot ``length + i <= prompt_len + i`` of a row, so ``c_j`` slots hold its last step.
+  Segments are ``max(MIN_SEGMENT_STEPS, ceil(max_new_tokens / MAX_DECODE_SEGMENTS))`` steps long, e.g.
+  ``(64, 128)`` -> ``[96, 128, 160, 192]``, ``(64, 16)`` -> ``[80]``.
+  """
+  steps = max(MIN_SEGMENT_STEPS, -(-max_new_tokens // MAX_DECODE_SEGMENTS))
+  return [prompt_len + min(end, max_new_tokens) for end in range(steps, max_new_tokens + steps, steps)]
+
+
+class _DecodeCarry(NamedTuple):
+  """The decode loop's state, carried from one segment to the next (``B`` rows, ``N`` max new tokens)."""
+
+  step: jax.Array  # int32, decode steps done
+  logits: jax.Array  # [B, V] of each row's last token
+  cache: KVCache
+  tokens: jax.Array  # [B, N] int32, pad_id where not generated
+  log_probs: jax.Array  # [B, N] float32
+  done: jax.Array  # [B] bool, the row emitted an EOS
+
+
+@functools.partial(jax.jit, static_argnames=("max_new_tokens",))
+def _start(logits, cache, pad_id, *, max_new_tokens) -> _DecodeCarry:
+  """The carry before the first decode step (built under ``jit``, so it is laid out like the loop's)."""
+  batch = logits.shape[0]
+  return _DecodeCarry(jnp.int32(0), logits, cache, jnp.full((batch, max_new_tokens), pad_id, jnp.int32),
+                      jnp.zeros((batch, max_new_tokens), jnp.float32), jnp.zeros((batch,), bool))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "greedy", "filtering", "coupled"),
+                   donate_argnames=("carry",))
+def _decode(graphdef, state, carry: _DecodeCarry, rng, stop, temperature, top_k, top_p, eos_ids, pad_id,
+            *, greedy, filtering, coupled=False) -> tuple[_DecodeCarry, jax.Array]:
+  """Decode steps ``carry.step .. stop - 1`` (fewer when every row is done) on ``carry.cache``, which must
+  hold ``stop`` more slots than the prompt bucket (:func:`decode_capacities`); returns ``(carry, rng)``.
 
   ``coupled``: token ``i`` of row ``b`` uses ``distribution.coupled_noise(rng, b, i)`` (``rng`` is then
-  never split); otherwise one key per step is split from ``rng`` for the whole batch.
+  never split); otherwise one key per step is split from ``rng`` for the whole batch. The key is not
+  donated (it may be the caller's).
 
-  Returns ``(tokens [B, N], log_probs [B, N], done [B], num_generated [B], cache)``. A row appends its
-  tokens up to and including its EOS and then stops growing, so the returned cache holds exactly
-  prompt + completion (``cache.lengths = prompt lengths + num_generated``).
+  A row appends its tokens up to and including its EOS and then stops growing, so the cache holds exactly
+  prompt + completion (``cache.lengths = prompt lengths + tokens generated``).
   """
   model = nnx.merge(graphdef, state)
-  batch, vocab = logits.shape
-  prompt_lengths = cache.lengths
+  batch, vocab = carry.logits.shape
   row_ids = jnp.arange(batch, dtype=jnp.int32)
   if greedy:
     temperature, top_k, top_p = 0.0, 0, 1.0
   elif not filtering:
     top_k, top_p = 0, 1.0  # statically off: no sort in the loop
 
-  def cond(carry):
-    i, _, _, _, _, done, _ = carry
-    return (i < max_new_tokens) & ~jnp.all(done)
+  def cond(loop):
+    carry, _ = loop
+    return (carry.step < stop) & ~jnp.all(carry.done)
 
-  def body(carry):
-    i, logits, cache, out_tokens, out_logp, done, rng = carry
+  def body(loop):
+    (i, logits, cache, out_tokens, out_logp, done), rng = loop
     if coupled and not greedy:
       noise = distribution.coupled_noise(rng, row_ids, jnp.full((batch, 1), i), vocab)[:, 0]
       token, logp = distribution.sample(logits, None, temperature, top_k, top_p, noise=noise)
@@ -176,12 +226,9 @@ def _decode(graphdef, state, cache: KVCache, logits, rng, temperature, top_k, to
     out_logp = out_logp.at[:, i].set(jnp.where(done, 0.0, logp))
     hidden, cache = model.extend(token[:, None], cache, num_new=(~done).astype(jnp.int32))
     done = done | jnp.any(token[:, None] == eos_ids[None, :], axis=-1)
-    return i + 1, model.logits_from_hidden(hidden[:, 0]), cache, out_tokens, out_logp, done, rng
+    return _DecodeCarry(i + 1, model.logits_from_hidden(hidden[:, 0]), cache, out_tokens, out_logp, done), rng
 
-  carry = (jnp.int32(0), logits, cache, jnp.full((batch, max_new_tokens), pad_id, jnp.int32),
-           jnp.zeros((batch, max_new_tokens), jnp.float32), jnp.zeros((batch,), bool), rng)
-  _, _, cache, tokens, logp, done, _ = jax.lax.while_loop(cond, body, carry)
-  return tokens, logp, done, cache.lengths - prompt_lengths, cache
+  return jax.lax.while_loop(cond, body, (carry, rng))
 
 
 def generate(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int, rng: jax.Array,
@@ -231,26 +278,30 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], max_new_token
   num_prompts = len(prompts)
   multiple = distributed.row_multiple()
   prompt_len = prompt_bucket(distributed.global_max(max(len(p) for p in prompts)), min_prompt_bucket)
-  num_slots = prompt_len + max_new_tokens
+  capacities = decode_capacities(prompt_len, max_new_tokens)
   graphdef, state = nnx.split(model)
   greedy = temperature == 0
   distinct, rows = (distinct_prompts(prompts, multiple) if share_prefixes and jax.process_count() == 1
                     else (None, None))
   if rows is not None and int(rows.max()) + 1 < num_prompts:  # Some prompts repeat.
     ids, mask = distributed.to_global(right_pad(distinct, prompt_len, pad_id))
-    logits, cache = _prefill_shared(graphdef, state, ids, mask, jnp.asarray(rows), num_slots=num_slots)
+    logits, cache = _prefill_shared(graphdef, state, ids, mask, jnp.asarray(rows), num_slots=capacities[0])
   else:
     prompts = list(prompts) + [prompts[-1]] * (-num_prompts % multiple)
     ids, mask = distributed.to_global(right_pad(prompts, prompt_len, pad_id))
-    logits, cache = _prefill(graphdef, state, ids, mask, num_slots=num_slots)
-  tokens, logp, done, lengths, _ = _decode(
-      graphdef, state, cache, logits, rng, jnp.float32(max(temperature, 1e-6)), jnp.int32(top_k),
-      jnp.float32(top_p), jnp.asarray(eos), jnp.int32(pad_id),
-      max_new_tokens=max_new_tokens, greedy=greedy, filtering=not greedy and (top_k > 0 or top_p < 1),
-      coupled=bool(coupled))
+    logits, cache = _prefill(graphdef, state, ids, mask, num_slots=capacities[0])
+  carry = _start(logits, cache, jnp.int32(pad_id), max_new_tokens=max_new_tokens)
+  sampling = (jnp.float32(max(temperature, 1e-6)), jnp.int32(top_k), jnp.float32(top_p), jnp.asarray(eos),
+              jnp.int32(pad_id))
+  for segment, capacity in enumerate(capacities):
+    if segment:
+      carry = carry._replace(cache=_grow(carry.cache, num_slots=capacity))
+    carry, rng = _decode(graphdef, state, carry, rng, jnp.int32(capacity - prompt_len), *sampling,
+                         greedy=greedy, filtering=not greedy and (top_k > 0 or top_p < 1), coupled=bool(coupled))
   # This process's rows (never a read of rows another process holds), without the padding rows.
-  tokens, logp, done, lengths = (x[:num_prompts] for x in distributed.to_local((tokens, logp, done, lengths)))
-  lengths = lengths.astype(np.int32)
+  tokens, logp, done, lengths = (x[:num_prompts] for x in distributed.to_local(
+      (carry.tokens, carry.log_probs, carry.done, carry.cache.lengths)))
+  lengths = (lengths - np.asarray([len(p) for p in prompts[:num_prompts]])).astype(np.int32)
   out_mask = (np.arange(max_new_tokens)[None] < lengths[:, None]).astype(np.int32)
   reasons = ["eos" if d else "length" for d in done]
   return SampleOutput(tokens, np.where(out_mask, logp, 0.0).astype(np.float32), out_mask, lengths, reasons)
