@@ -215,6 +215,20 @@ def test_segmented_decode_equals_one_loop_over_the_whole_cache(model, monkeypatc
   assert "eos" in segmented.finish_reasons and segmented.lengths.max() == 40
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_one_row_compilation_samples_what_the_default_compilation_samples(model, monkeypatch, temperature):
+  """Batch 1 runs the decode loop compiled with ``ONE_ROW_CPU_OPTIONS`` (other dot kernels): the same
+  computation up to float32 rounding of the matmuls, so the same tokens and log-probs within 1e-5."""
+  assert sampler_lib._decode_for(1) is sampler_lib._decode_one_row
+  assert sampler_lib._decode_for(2) is sampler_lib._decode
+  one_row = generate(model, PROMPTS[:1], 40, jax.random.key(2), temperature=temperature, eos_ids=9)
+  monkeypatch.setattr(sampler_lib, "_decode_for", lambda batch: sampler_lib._decode)
+  default = generate(model, PROMPTS[:1], 40, jax.random.key(2), temperature=temperature, eos_ids=9)
+  np.testing.assert_array_equal(one_row.tokens, default.tokens)
+  np.testing.assert_array_equal(one_row.lengths, default.lengths)
+  np.testing.assert_allclose(one_row.log_probs, default.log_probs, atol=1e-5)
+
+
 def test_bad_arguments_raise(model):
   with pytest.raises(ValueError, match="at least one token"):
     generate(model, [[1], []], 4, jax.random.key(0))

@@ -187,10 +187,8 @@ def _start(logits, cache, pad_id, *, max_new_tokens) -> _DecodeCarry:
                       jnp.zeros((batch, max_new_tokens), jnp.float32), jnp.zeros((batch,), bool))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "greedy", "filtering", "coupled"),
-                   donate_argnames=("carry",))
-def _decode(graphdef, state, carry: _DecodeCarry, rng, stop, temperature, top_k, top_p, eos_ids, pad_id,
-            *, greedy, filtering, coupled=False) -> tuple[_DecodeCarry, jax.Array]:
+def _decode_steps(graphdef, state, carry: _DecodeCarry, rng, stop, temperature, top_k, top_p, eos_ids, pad_id,
+                  *, greedy, filtering, coupled=False) -> tuple[_DecodeCarry, jax.Array]:
   """Decode steps ``carry.step .. stop - 1`` (fewer when every row is done) on ``carry.cache``, which must
   hold ``stop`` more slots than the prompt bucket (:func:`decode_capacities`); returns ``(carry, rng)``.
 
@@ -229,6 +227,32 @@ def _decode(graphdef, state, carry: _DecodeCarry, rng, stop, temperature, top_k,
     return _DecodeCarry(i + 1, model.logits_from_hidden(hidden[:, 0]), cache, out_tokens, out_logp, done), rng
 
   return jax.lax.while_loop(cond, body, (carry, rng))
+
+
+# XLA:CPU compiles a 1-row dot as its own generic matrix-vector loop and leaves YNNPACK to dots of several
+# rows. Routing the 1-row dots through YNNPACK's dot fusions made a batch-1 decode step 1.12-1.30x faster on
+# the Intel AVX-512 host (bench and stdlib-target shapes, BENCHMARKS.md) but batch-8 and batch-32 steps
+# 11-14% slower, so only one-row batches on CPU are compiled with it.
+ONE_ROW_CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
+_DECODE_STATICS = dict(static_argnames=("graphdef", "greedy", "filtering", "coupled"), donate_argnames=("carry",))
+_decode = jax.jit(_decode_steps, **_DECODE_STATICS)
+_decode_one_row = jax.jit(_decode_steps, **_DECODE_STATICS, compiler_options=ONE_ROW_CPU_OPTIONS)
+
+
+@functools.cache
+def _one_row_options_accepted() -> bool:
+  """Whether this jaxlib knows :data:`ONE_ROW_CPU_OPTIONS` (experimental XLA options can disappear)."""
+  try:
+    jax.jit(lambda x: x @ x.T, compiler_options=ONE_ROW_CPU_OPTIONS).lower(jnp.ones((1, 2))).compile()
+  except Exception:  # pylint: disable=broad-except  (XLA reports an unknown option as a runtime error)
+    return False
+  return True
+
+
+def _decode_for(batch: int):
+  """The compiled decode loop for a batch of ``batch`` rows (see :data:`ONE_ROW_CPU_OPTIONS`)."""
+  one_row = batch == 1 and jax.default_backend() == "cpu" and _one_row_options_accepted()
+  return _decode_one_row if one_row else _decode
 
 
 def generate(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int, rng: jax.Array,
@@ -293,11 +317,12 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], max_new_token
   carry = _start(logits, cache, jnp.int32(pad_id), max_new_tokens=max_new_tokens)
   sampling = (jnp.float32(max(temperature, 1e-6)), jnp.int32(top_k), jnp.float32(top_p), jnp.asarray(eos),
               jnp.int32(pad_id))
+  decode = _decode_for(logits.shape[0])
   for segment, capacity in enumerate(capacities):
     if segment:
       carry = carry._replace(cache=_grow(carry.cache, num_slots=capacity))
-    carry, rng = _decode(graphdef, state, carry, rng, jnp.int32(capacity - prompt_len), *sampling,
-                         greedy=greedy, filtering=not greedy and (top_k > 0 or top_p < 1), coupled=bool(coupled))
+    carry, rng = decode(graphdef, state, carry, rng, jnp.int32(capacity - prompt_len), *sampling,
+                        greedy=greedy, filtering=not greedy and (top_k > 0 or top_p < 1), coupled=bool(coupled))
   # This process's rows (never a read of rows another process holds), without the padding rows.
   tokens, logp, done, lengths = (x[:num_prompts] for x in distributed.to_local(
       (carry.tokens, carry.log_probs, carry.done, carry.cache.lengths)))
