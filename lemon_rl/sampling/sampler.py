@@ -23,7 +23,8 @@ large enough for its last step, grown with empty slots between segments (:meth:`
 and the random draws are those of one loop over the full cache (the extra slots are masked; logits agree up
 to the float32 rounding of a softmax over more masked slots). Compiled functions are cached per (model
 graph, batch, prompt bucket, cache slots, max new tokens, sampling mode, number of EOS ids): one decode loop
-per segment capacity, and the shared prefill per (distinct prompts ``P``, batch, prompt bucket, slots).
+per segment capacity, and the shared prefill per (distinct prompts ``P``, batch, prompt bucket, slots). A
+one-row batch on CPU gets its own compilation options (:data:`ONE_ROW_CPU_OPTIONS`).
 """
 
 from __future__ import annotations
