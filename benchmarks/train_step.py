@@ -299,7 +299,7 @@ def main():
   lemon_run, xla_flops = lemon_forward_backward(model, batch)
   # The peak's samples: the header's, and more interleaved with the steps (the same machine load).
   res = conditions.interleaved({"peak": cond.peak, "lemon_rl": lemon_run,
-                     "transformers": torch_forward_backward(hf_model, batch)}, args.repeats)
+                                "transformers": torch_forward_backward(hf_model, batch)}, args.repeats)
   conditions.interleaved({"peak": cond.peak}, 4 * args.repeats, warmup=0)
   ncpu = len(os.sched_getaffinity(0))
   peak = cond.peak.flops_per_s

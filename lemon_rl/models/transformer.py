@@ -101,11 +101,10 @@ class KVCache(NamedTuple):
     Lets a decode loop attend over (and read) only the slots it can have filled so far, and continue in
     a larger cache later (``lemon_rl.sampling.generate``); the rows, lengths and valid slots are unchanged.
     """
-    extra = num_slots - self.num_slots
-    if extra < 0:
+    if num_slots < self.num_slots:
       raise ValueError(f"cannot grow a cache of {self.num_slots} slots to {num_slots}")
-    pad = lambda x, axis: jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)])
-    return KVCache(tuple(pad(x, 3) for x in self.keys), tuple(pad(x, 2) for x in self.values), self.lengths)
+    return KVCache(tuple(pad_slots(x, num_slots, 3) for x in self.keys),
+                   tuple(pad_slots(x, num_slots, 2) for x in self.values), self.lengths)
 
 
 def write_rows(buffer: jax.Array, new: jax.Array, start: jax.Array, slot_axis: int = 2) -> jax.Array:
@@ -124,14 +123,21 @@ def write_rows(buffer: jax.Array, new: jax.Array, start: jax.Array, slot_axis: i
                          unique_indices=True, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
 
+def pad_slots(x: jax.Array, num_slots: int, slot_axis: int) -> jax.Array:
+  """``x`` zero-padded at the end of ``slot_axis`` to ``num_slots`` entries."""
+  widths = [(0, 0)] * x.ndim
+  widths[slot_axis] = (0, num_slots - x.shape[slot_axis])
+  return jnp.pad(x, widths)
+
+
 def cache_keys(keys: jax.Array, num_slots: int) -> jax.Array:
   """Full-sequence keys ``[B, K, T, D]`` -> a cache buffer ``[B, K, D, num_slots]`` (slots ``>= T`` zero)."""
-  return jnp.pad(keys.transpose(0, 1, 3, 2), ((0, 0), (0, 0), (0, 0), (0, num_slots - keys.shape[2])))
+  return pad_slots(keys.transpose(0, 1, 3, 2), num_slots, 3)
 
 
 def cache_values(values: jax.Array, num_slots: int) -> jax.Array:
   """Full-sequence values ``[B, K, T, D]`` -> a cache buffer ``[B, K, num_slots, D]`` (slots ``>= T`` zero)."""
-  return jnp.pad(values, ((0, 0), (0, 0), (0, num_slots - values.shape[2]), (0, 0)))
+  return pad_slots(values, num_slots, 2)
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:

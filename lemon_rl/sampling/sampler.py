@@ -318,12 +318,12 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], max_new_token
   carry = _start(logits, cache, jnp.int32(pad_id), max_new_tokens=max_new_tokens)
   sampling = (jnp.float32(max(temperature, 1e-6)), jnp.int32(top_k), jnp.float32(top_p), jnp.asarray(eos),
               jnp.int32(pad_id))
+  modes = dict(greedy=greedy, filtering=not greedy and (top_k > 0 or top_p < 1), coupled=bool(coupled))
   decode = _decode_for(logits.shape[0])
   for segment, capacity in enumerate(capacities):
     if segment:
       carry = carry._replace(cache=_grow(carry.cache, num_slots=capacity))
-    carry, rng = decode(graphdef, state, carry, rng, jnp.int32(capacity - prompt_len), *sampling,
-                        greedy=greedy, filtering=not greedy and (top_k > 0 or top_p < 1), coupled=bool(coupled))
+    carry, rng = decode(graphdef, state, carry, rng, jnp.int32(capacity - prompt_len), *sampling, **modes)
   # This process's rows (never a read of rows another process holds), without the padding rows.
   tokens, logp, done, lengths = (x[:num_prompts] for x in distributed.to_local(
       (carry.tokens, carry.log_probs, carry.done, carry.cache.lengths)))
