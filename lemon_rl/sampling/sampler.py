@@ -250,10 +250,16 @@ def _one_row_options_accepted() -> bool:
   return True
 
 
-def _decode_for(batch: int):
-  """The compiled decode loop for a batch of ``batch`` rows (see :data:`ONE_ROW_CPU_OPTIONS`)."""
+def decode_compiler_options(batch: int) -> dict[str, str] | None:
+  """The XLA options ``generate`` compiles its decode loop with for ``batch`` rows (see
+  :data:`ONE_ROW_CPU_OPTIONS`); ``None`` is XLA's defaults."""
   one_row = batch == 1 and jax.default_backend() == "cpu" and _one_row_options_accepted()
-  return _decode_one_row if one_row else _decode
+  return ONE_ROW_CPU_OPTIONS if one_row else None
+
+
+def _decode_for(batch: int):
+  """The compiled decode loop for a batch of ``batch`` rows."""
+  return _decode if decode_compiler_options(batch) is None else _decode_one_row
 
 
 def generate(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int, rng: jax.Array,
