@@ -19,7 +19,10 @@ outputs are compared token for token with the target alone at the same batch siz
 ``--tie-gap`` are near-ties, counted; any other difference is a mismatch and fails the run). Also printed:
 the acceptance length ``tau`` (tokens per target forward, bonus included), per-position acceptance, the
 measured drafter / target decode-step cost ratio ``gamma`` and the speedup it implies, ``tau / (1 + K
-gamma)`` (a ``K+1``-token verification costed as one decode step), and the row use: rows that accept more
+gamma)`` (a ``K+1``-token verification costed as one decode step); the measured cost of a verification,
+``verify`` = one ``K+1``-token target step / one decode step as ``generate`` compiles it (both timed in jitted
+loops, ``drafter_training.target_step_seconds``), and the speedup the measured costs imply, ``costed`` =
+``tau x decode step / (verification + K drafter steps)``; and the row use: rows that accept more
 finish first and sit idle until the engine halves the batch (when at most half of its rows are active);
 row use = the rows' verification passes / (rows x the chunk's most passes), 1 for a single row.
 
@@ -49,7 +52,8 @@ import conditions
 from lemon_rl.data import stdlib_corpus
 from lemon_rl.models.drafter import EagleDrafter
 from lemon_rl.sampling import compare_greedy, generate, speculative_generate
-from lemon_rl.training.drafter_training import decode_step_seconds, load_speculative
+from lemon_rl.sampling.sampler import decode_compiler_options
+from lemon_rl.training.drafter_training import decode_step_seconds, load_speculative, target_step_seconds
 
 
 def held_out_rows(num_rows: int, num_prompts: int, num_validation: int) -> tuple[np.ndarray, np.ndarray]:
@@ -153,13 +157,19 @@ def main():
   chosen = {b: choose_num_draft(b) for b in batches}
   speedups, taus, failures = {}, {}, 0
   header = (f"{'batch':>5} | {'K':>2} | {'temp':>4} | {'target tok/s':>12} | {'spec tok/s':>10} | {'speedup':>7} | "
-            f"{'tau':>5} | {'gamma':>6} | {'implied':>7} | {'row use':>7} | {'EOS rows':>8} | per-position acceptance")
+            f"{'tau':>5} | {'gamma':>6} | {'implied':>7} | {'verify':>6} | {'costed':>7} | {'row use':>7} | "
+            f"{'EOS rows':>8} | per-position acceptance")
   print(header)
   print("-" * len(header))
   for b in batches:
     k = chosen[b]
-    times = decode_step_seconds(target, head, batch=b, context=args.prompt_len + args.new_tokens // 2)
+    context = args.prompt_len + args.new_tokens // 2
+    times = decode_step_seconds(target, head, batch=b, context=context)
     gamma = times["drafter_s"] / times["target_s"]
+    # The measured cost model: generate's decode step (compiled as generate compiles it) against one
+    # verification of K + 1 tokens and K drafter steps (compiled as the engine's loop is).
+    base_s = target_step_seconds(target, 1, b, context, compiler_options=decode_compiler_options(b))
+    verify_s = target_step_seconds(target, k + 1, b, context)
     for temperature in temperatures:
       (ref, ref_s), (spec, spec_s) = decode_in_chunks(
           [lambda c: generate(target, c, args.new_tokens, key, temperature=temperature, **common),
@@ -175,8 +185,9 @@ def main():
       # The loop runs until a chunk's slowest row is done: its iterations are the chunk's most forwards.
       row_use = forwards / sum(len(o.lengths) * int(o.stats.target_forwards.max()) for o in spec)
       print(f"{b:>5} | {k:>2} | {temperature:>4g} | {ref_tokens / ref_s:>12.0f} | {spec_tokens / spec_s:>10.0f} | "
-            f"{speedup:>6.2f}x | {tau:>5.2f} | {gamma:>6.3f} | {tau / (1 + k * gamma):>6.2f}x | {row_use:>7.2f} | "
-            f"{eos_rows:>8} | {np.round(per_position, 3).tolist()}")
+            f"{speedup:>6.2f}x | {tau:>5.2f} | {gamma:>6.3f} | {tau / (1 + k * gamma):>6.2f}x | "
+            f"{verify_s / base_s:>6.2f} | {tau * base_s / (verify_s + k * times['drafter_s']):>6.2f}x | "
+            f"{row_use:>7.2f} | {eos_rows:>8} | {np.round(per_position, 3).tolist()}")
       if temperature == 0:
         speedups[b], taus[b] = speedup, tau
         ties, mismatches, identical = [], [], 0

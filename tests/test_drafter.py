@@ -288,3 +288,17 @@ def test_checkpoint_holds_target_and_drafter(target, head, tmp_path):
   assert meta["corpus_hash"] == "abc" and target2.cfg == target.cfg and head2.feature_layers == LAYERS
   for a, b in ((target, target2), (head, head2)):
     jax.tree.map(np.testing.assert_array_equal, nnx.state(a, nnx.Param), nnx.state(b, nnx.Param))
+
+
+def test_timed_target_steps_of_one_token_are_greedy_decoding(target):
+  """``target_step_seconds`` times ``_target_steps``; at width 1 it must be the decode step ``generate`` runs."""
+  prompts = TOKENS[:, :6]
+  graphdef, variables = nnx.split(target)
+  hidden, cache = nnx.jit(Transformer.prefill, static_argnums=3)(target, jnp.asarray(prompts),
+                                                                 jnp.ones_like(prompts), 16)
+  first = jnp.argmax(target.logits_from_hidden(hidden), -1).astype(jnp.int32)[:, None]
+  fourth = dt._compiled_target_steps(())(graphdef, variables, cache, first, steps=3)
+  out = generate(target, prompts.tolist(), 4, jax.random.key(0), temperature=0.0)
+  np.testing.assert_array_equal(np.asarray(first[:, 0]), out.tokens[:, 0])
+  np.testing.assert_array_equal(np.asarray(fourth[:, 0]), out.tokens[:, 3])
+  assert dt.target_step_seconds(target, 3, batch=2, context=6, steps=2, repeats=1) > 0  # a verification runs

@@ -263,16 +263,25 @@ def seconds_per_step(run, steps: int, repeats: int) -> float:
   return min(times) / steps
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "steps"))
-def _target_decode(graphdef, variables, cache, token, steps):
+def _target_steps(graphdef, variables, cache, tokens, steps):
+  """``steps`` greedy target steps of ``W = tokens.shape[1]`` tokens per row: extend the cache by them, the
+  argmax after each is the next step's input, and the cache keeps one new position per step (the others
+  are rolled back, as after a rejected verification)."""
   model = nnx.merge(graphdef, variables)
+  width = tokens.shape[1]
 
   def body(_, carry):
-    cache, token = carry
-    hidden, cache = model.extend(token[:, None], cache)
-    return cache, jnp.argmax(model.logits_from_hidden(hidden[:, 0]), axis=-1).astype(jnp.int32)
+    cache, tokens = carry
+    hidden, cache = model.extend(tokens, cache)
+    tokens = jnp.argmax(model.logits_from_hidden(hidden), axis=-1).astype(jnp.int32)
+    return cache.truncate(cache.lengths - (width - 1)), tokens
 
-  return jax.lax.fori_loop(0, steps, body, (cache, token))[1]
+  return jax.lax.fori_loop(0, steps, body, (cache, tokens))[1]
+
+
+@functools.cache
+def _compiled_target_steps(options: tuple[tuple[str, str], ...]):
+  return jax.jit(_target_steps, static_argnames=("graphdef", "steps"), compiler_options=dict(options) or None)
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "head_def", "steps"))
@@ -298,17 +307,30 @@ def decode_step_seconds(target: Transformer, head: EagleHead, batch: int = 1, co
   Returns ``{"target_s", "drafter_s", "ratio"}`` with ``ratio = target_s / drafter_s`` (the inverse of
   PPOW's cost ratio ``gamma``).
   """
-  rng = np.random.default_rng(0)
-  ids = jnp.asarray(rng.integers(0, target.cfg.vocab_size, (batch, context)), jnp.int32)
-  _, cache = nnx.jit(Transformer.prefill, static_argnums=3)(target, ids, jnp.ones_like(ids), context + steps)
+  token = jnp.asarray(np.random.default_rng(0).integers(0, target.cfg.vocab_size, (batch,)), jnp.int32)
   target_def, target_vars = nnx.split(target)
   head_def, head_vars = nnx.split(head)
   head_cache = head.init_cache(batch, context + steps)._replace(lengths=jnp.full((batch,), context, jnp.int32))
   hidden = jnp.zeros((batch, target.cfg.hidden_size), target.cfg.jnp_dtype)
-  token = ids[:, -1]
-
-  target_s = seconds_per_step(lambda: _target_decode(target_def, target_vars, cache, token, steps=steps), steps,
-                              repeats)
+  target_s = target_step_seconds(target, 1, batch, context, steps, repeats)
   drafter_s = seconds_per_step(lambda: _drafter_decode(target_def, target_vars, head_def, head_vars, head_cache,
                                                        hidden, token, steps=steps), steps, repeats)
   return {"target_s": target_s, "drafter_s": drafter_s, "ratio": target_s / drafter_s}
+
+
+def target_step_seconds(target: Transformer, width: int, batch: int = 1, context: int = 64, steps: int = 64,
+                        repeats: int = 3, compiler_options: Mapping[str, str] | None = None) -> float:
+  """Seconds per greedy target step of ``width`` tokens per row (``extend`` + LM head + argmax) at ``batch``
+  rows after ``context`` cached positions, compiled with ``compiler_options`` (``None``: XLA's defaults):
+  best of ``repeats`` timed loops of ``steps`` steps after a warm-up.
+
+  ``width = 1`` is a decode step, ``width = K + 1`` a speculative verification; with
+  ``sampler.decode_compiler_options(batch)`` the decode step is compiled as ``generate`` compiles it.
+  """
+  ids = jnp.asarray(np.random.default_rng(0).integers(0, target.cfg.vocab_size, (batch, context)), jnp.int32)
+  _, cache = nnx.jit(Transformer.prefill, static_argnums=3)(target, ids, jnp.ones_like(ids),
+                                                             context + steps + width)
+  graphdef, variables = nnx.split(target)
+  run = _compiled_target_steps(tuple(sorted((compiler_options or {}).items())))
+  tokens = ids[:, -width:]
+  return seconds_per_step(lambda: run(graphdef, variables, cache, tokens, steps=steps), steps, repeats)
