@@ -22,7 +22,7 @@ script compiles one greedy decode step of a random model (``extend`` of one toke
 dispatches, so its step time differs from this one by a few percent (compare with ``benchmarks/sampler.py``).
 
     python benchmarks/decode_profile.py [--batch 1] [--preset bench] [--context 64] [--slots 192]
-        [--steps 64] [--repeats 10] [--top 12]
+        [--steps 64] [--repeats 20] [--top 12]
 
 Last line: ``decode_step_ms=<wall> decode_read_bound_ms=<bound> decode_matmul_share=<fraction>``.
 """
@@ -101,15 +101,28 @@ def op_times(trace_dir: str, names: set[str]) -> collections.Counter:
 
 def read_bandwidth(num_bytes: int, repeats: int) -> tuple[float, float]:
   """``(streaming-read bytes/s, one-row matmul bytes/s)`` over a float32 array of ``num_bytes`` (rounded to
-  whole rows of 2048), best of ``repeats`` alternated rounds (:func:`conditions.interleaved`)."""
+  whole rows of 2048), best of ``repeats`` calls each, alternating back to back.
+
+  Not :func:`conditions.interleaved`: its pause before each call (there against torch's spinning threads)
+  lets the host idle, and a read right after an idle measured 2-3x slower than a warm one (bounds of 1.2-1.6
+  ms against 0.37-0.67 ms for the bench model at batch 1).
+  """
   rows = max(num_bytes // (4 * 2048), 1)
   weights = jnp.ones((rows, 2048), jnp.float32)
   x = jnp.ones((1, rows), jnp.float32)
   read = jax.jit(jnp.sum)
   matmul = jax.jit(jnp.dot, compiler_options=sampler_lib.decode_compiler_options(1))
-  times = conditions.interleaved({"read": lambda: jax.block_until_ready(read(weights)),
-                                  "matmul": lambda: jax.block_until_ready(matmul(x, weights))}, repeats)
-  return weights.nbytes / times["read"][0], weights.nbytes / times["matmul"][0]
+  fns = {"read": lambda: jax.block_until_ready(read(weights)),
+         "matmul": lambda: jax.block_until_ready(matmul(x, weights))}
+  best = {}
+  for fn in fns.values():
+    fn()  # compiles
+  for _ in range(repeats):
+    for name, fn in fns.items():
+      t0 = time.perf_counter()
+      fn()
+      best[name] = min(best.get(name, np.inf), time.perf_counter() - t0)
+  return weights.nbytes / best["read"], weights.nbytes / best["matmul"]
 
 
 def decode_step(model: Transformer, batch: int, context: int, slots: int):
@@ -142,7 +155,7 @@ def main():
   parser.add_argument("--context", type=int, default=64)
   parser.add_argument("--slots", type=int, default=192)
   parser.add_argument("--steps", type=int, default=64)
-  parser.add_argument("--repeats", type=int, default=10)
+  parser.add_argument("--repeats", type=int, default=20)
   parser.add_argument("--top", type=int, default=12, help="slowest instructions listed")
   parser.add_argument("--default-malloc", action="store_true")
   parser.add_argument("--cpus", type=int, default=0)
