@@ -57,8 +57,16 @@ from lemon_rl.models import Transformer, get_preset
 from lemon_rl.sampling import sampler as sampler_lib
 
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.-]+) [^\n]*\{$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.-]+) = [^\n]*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.-]+) = [^\n]*$", re.M)
 _CALLS = re.compile(r"calls=%([\w.-]+)")
+
+
+def instruction_lines(hlo_text: str) -> dict[str, str]:
+  """Every instruction of an HLO module's text (``compiled.as_text()``): ``{name: its first line}``."""
+  lines: dict[str, str] = {}
+  for m in _INSTRUCTION.finditer(hlo_text):
+    lines.setdefault(m.group(1), m.group(0))
+  return lines
 
 
 def matmul_instructions(hlo_text: str) -> set[str]:
@@ -173,7 +181,7 @@ def main():
 
   hlo = step.lower(state, cache, tokens).compile().as_text()
   matmuls = matmul_instructions(hlo)
-  names = set(re.findall(r"^\s*(?:ROOT )?%([\w.-]+) = ", hlo, flags=re.M))
+  lines = instruction_lines(hlo)
   for _ in range(3):
     cache, tokens = step(state, cache, tokens)
   walls = []
@@ -191,7 +199,7 @@ def main():
       cache, tokens = step(state, cache, tokens)
     jax.block_until_ready(tokens)
     jax.profiler.stop_trace()
-    totals = op_times(trace_dir, names)
+    totals = op_times(trace_dir, set(lines))
   per_step = {name: ns / args.steps / 1e3 for name, ns in totals.items()}  # us
   matmul_us = sum(t for name, t in per_step.items() if name in matmuls)
   other_us = sum(t for name, t in per_step.items() if name not in matmuls)
@@ -219,8 +227,7 @@ def main():
         f"{cond.peak.flops_per_s / 1e9:.0f} GFLOP/s matmul peak)")
   print(f"\nslowest instructions (us per step, summed over threads):")
   for name, t in sorted(per_step.items(), key=lambda kv: -kv[1])[:args.top]:
-    line = re.search(r"^\s*(?:ROOT )?%" + re.escape(name) + r" = ([^\n]{0,110})", hlo, flags=re.M)
-    print(f"  {t:7.1f}  {'matmul' if name in matmuls else 'other ':6s}  %{name} = {line.group(1) if line else ''}")
+    print(f"  {t:7.1f}  {'matmul' if name in matmuls else 'other ':6s}  {lines[name].strip()[:120]}")
   cond.finish()
   print(f"decode_step_ms={wall * 1e3:.3f} decode_read_bound_ms={bound * 1e3:.3f} "
         f"decode_matmul_share={matmul_us / max(matmul_us + other_us, 1e-9):.2f}")
