@@ -100,7 +100,7 @@ def time_group(model, hf_model, prompt_len, new_tokens, num_prompts, group_size,
   slots = bucket + new_tokens
   graphdef, state = nnx.split(model)
   unique, rows = sampler_lib.distinct_prompts(prompts)
-  assert len(unique) == num_prompts
+  assert int(rows.max()) + 1 == num_prompts
   shared_ids, shared_mask = (jnp.asarray(x) for x in sampler_lib.right_pad(unique, bucket, 0))
   all_ids, all_mask = (jnp.asarray(x) for x in sampler_lib.right_pad(prompts, bucket, 0))
   rows = jnp.asarray(rows)

@@ -51,11 +51,13 @@ def _assert_same_samples(got, want, atol=LOGP_ATOL):
 
 def test_distinct_prompts_index_every_row():
   distinct, rows = sampler_lib.distinct_prompts([A, tuple(B), np.array(A), C, B])
-  assert distinct == [A, B, C]
+  assert distinct == [A, B, C, A]  # Padded with the first prompt, which no row reads twice, to a power of two.
   np.testing.assert_array_equal(rows, [0, 1, 0, 2, 1])
-  distinct, rows = sampler_lib.distinct_prompts([A, B, A, C, B], multiple=4)
-  assert distinct == [A, B, C, A]  # Padded with the first prompt, which no row reads twice.
+  distinct, rows = sampler_lib.distinct_prompts([A, B, A, C, B], multiple=3)
+  assert distinct == [A, B, C, A, A, A]  # The power of two, rounded up to the multiple.
   np.testing.assert_array_equal(rows, [0, 1, 0, 2, 1])
+  distinct, _ = sampler_lib.distinct_prompts([A, A])
+  assert distinct == [A]
 
 
 @pytest.mark.parametrize("temperature,top_k", [(0.0, 0), (0.7, 0), (0.7, 10)])
@@ -74,7 +76,7 @@ def test_sharing_gives_the_same_samples_as_prefilling_every_row(model, temperatu
 
 
 def test_prefill_runs_on_the_distinct_prompts_only(model, monkeypatch):
-  """Records the batch every traced prefill sees: P rows when prompts repeat, B rows otherwise."""
+  """Records the batch every traced prefill sees: P rows (a power of two) when prompts repeat, B otherwise."""
   seen = []
   original = Transformer.prefill
 
@@ -86,13 +88,15 @@ def test_prefill_runs_on_the_distinct_prompts_only(model, monkeypatch):
   sampler_lib._prefill_shared.clear_cache()
   sampler_lib._prefill.clear_cache()
   generate(model, [A, B, A, C, B], 4, jax.random.key(0))
-  assert seen == [(3, 16)]
+  assert seen == [(4, 16)]  # P = 3 distinct prompts, padded to 4.
   generate(model, [C, B, C, A, B], 4, jax.random.key(1), temperature=0.0)  # Same P, B, bucket: no retrace.
-  assert seen == [(3, 16)] and sampler_lib._prefill_shared._cache_size() == 1
+  generate(model, [C, B, C, A, [4, 4]], 4, jax.random.key(1))  # 4 distinct prompts: the same bucket.
+  assert seen == [(4, 16)] and sampler_lib._prefill_shared._cache_size() == 1
   generate(model, [A, B, C], 4, jax.random.key(0))  # Nothing repeats: the plain prefill of every row.
+  generate(model, [A, B, C, A], 4, jax.random.key(0))  # The bucket of P = 3 is no smaller than B = 4: the same.
   generate(model, [A, B, A, C, B], 4, jax.random.key(0), share_prefixes=False)
-  assert seen == [(3, 16), (3, 16), (5, 16)]
-  assert sampler_lib._prefill._cache_size() == 2
+  assert seen == [(4, 16), (3, 16), (4, 16), (5, 16)]
+  assert sampler_lib._prefill._cache_size() == 3
 
 
 def _mesh_child():

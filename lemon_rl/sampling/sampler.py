@@ -10,8 +10,9 @@ included, padding excluded) and a finish reason per row.
 Shared prompt prefixes: GRPO asks for ``G`` completions of each prompt (the prompt repeated ``G`` times).
 When some prompts repeat, ``generate`` prefills each distinct prompt once (``P`` rows instead of ``B``) and
 gives every row the cache and last-token logits of its prompt (:meth:`KVCache.take` with an index ``[B]``,
-inside the same jitted prefill): the prefill costs ``P / B`` of prefilling every row, and the decode loop is
-unchanged. Rows then see the same keys, values and logits as with a prefill of their own (up to float32
+inside the same jitted prefill): the prefill costs ``P / B`` of prefilling every row (``P`` padded to a power
+of two, so that callers whose number of distinct prompts varies compile few prefills), and the decode loop
+is unchanged. Rows then see the same keys, values and logits as with a prefill of their own (up to float32
 rounding of a matmul run at another batch size), so a key gives the same tokens.
 
 The decode loop is a ``jax.lax.while_loop`` inside a jitted call (each step one ``Transformer.extend`` of
@@ -23,8 +24,8 @@ large enough for its last step, grown with empty slots between segments (:meth:`
 and the random draws are those of one loop over the full cache (the extra slots are masked; logits agree up
 to the float32 rounding of a softmax over more masked slots). Compiled functions are cached per (model
 graph, batch, prompt bucket, cache slots, max new tokens, sampling mode, number of EOS ids): one decode loop
-per segment capacity, and the shared prefill per (distinct prompts ``P``, batch, prompt bucket, slots). A
-one-row batch on CPU gets its own compilation options (:data:`ONE_ROW_CPU_OPTIONS`).
+per segment capacity, and the shared prefill per (distinct prompts ``P``, padded to a power of two, batch,
+prompt bucket, slots). A one-row batch on CPU gets its own compilation options (:data:`ONE_ROW_CPU_OPTIONS`).
 """
 
 from __future__ import annotations
@@ -116,13 +117,15 @@ def distinct_prompts(prompts: Sequence[Sequence[int]], multiple: int = 1) -> tup
   """The distinct prompts in order of first appearance and, for every row, the index of its prompt.
 
   Returns ``(distinct, rows)`` with ``prompts[i] == distinct[rows[i]]`` (``rows [B]`` int32). ``distinct``
-  is padded with copies of its first prompt to a multiple of ``multiple`` rows (padding rows that no row
-  reads).
+  is padded with copies of its first prompt (rows that no row reads) to a power of two, rounded up to a
+  multiple of ``multiple``: calls whose number of distinct prompts differs within one bucket share one
+  compiled prefill.
   """
   index: dict[tuple[int, ...], int] = {}
   rows = np.asarray([index.setdefault(tuple(int(t) for t in p), len(index)) for p in prompts], np.int32)
   distinct = [list(p) for p in index]
-  distinct += [distinct[0]] * (-len(distinct) % multiple)
+  bucket = 1 << (len(distinct) - 1).bit_length()
+  distinct += [distinct[0]] * (bucket + -bucket % multiple - len(distinct))
   return distinct, rows
 
 
@@ -314,7 +317,7 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], max_new_token
   greedy = temperature == 0
   distinct, rows = (distinct_prompts(prompts, multiple) if share_prefixes and jax.process_count() == 1
                     else (None, None))
-  if rows is not None and int(rows.max()) + 1 < num_prompts:  # Some prompts repeat.
+  if rows is not None and len(distinct) < num_prompts:  # Fewer rows to prefill, padding included.
     ids, mask = distributed.to_global(right_pad(distinct, prompt_len, pad_id))
     logits, cache = _prefill_shared(graphdef, state, ids, mask, jnp.asarray(rows), num_slots=capacities[0])
   else:
