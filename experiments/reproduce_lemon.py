@@ -16,8 +16,9 @@ command resumes it exactly: commit that directory to go on in another session. B
 worker gate (``task.worker_gate``, :func:`lemon_rl.training.worker_models.worker_gate`) checks the premise that
 capacity matters (the large worker clearly above the medium one on multiplications): with workers that fail it the
 command saves the workers and the failed gate as the results (no arm) and stops, since every arm would be comparing
-teams whose capacities make no difference. The ``tiny`` and
-``pilot`` variants use the programmatic workers instead.
+teams whose capacities make no difference; ``--run_despite_worker_gate`` runs the arms anyway and the results say
+that the gate failed (the step-0 check then measures how often lowering a capacity changes the reward). The
+``tiny`` and ``pilot`` variants use the programmatic workers instead.
 
 Per seed (``configs/lemon_orchestration.py:<variant>_<arm>``): the ``sft_only`` arm runs the orchestrator's
 SFT on the scripted teacher's specs; its final policy is "SFT only" and the step-0 check runs on it (specs
@@ -63,6 +64,8 @@ flags.DEFINE_integer("workers", 1, "Runs at a time, each in its own process (eve
 WORKERS_DIR = os.path.join(os.path.dirname(report.RESULTS_FILE), "workers")
 flags.DEFINE_string("workers_dir", WORKERS_DIR, "Trained worker models (absolute, or relative to the repository).")
 flags.DEFINE_bool("train_workers_only", False, "Train (or re-score) the worker models and stop.")
+flags.DEFINE_bool("run_despite_worker_gate", False,
+                  "Run the arms on workers that fail the worker gate (the results say that the gate failed).")
 flags.DEFINE_integer("step0_examples", 100, "Validation problems of the step-0 check (G specs each).")
 flags.DEFINE_string("results_file", report.RESULTS_FILE,
                     "Where the results JSON goes (absolute, or relative to the repository).")
@@ -179,7 +182,10 @@ def main(argv):
     print(json.dumps({"workers": saved["workers"], "worker_gate": saved.get("worker_gate")}, indent=1)
           if saved["workers"] else f"variant {FLAGS.variant!r} uses programmatic workers: nothing to train")
     return
-  if saved.get("worker_gate") and not saved["worker_gate"]["passed"]:
+  gate = saved.get("worker_gate")
+  if gate and not gate["passed"] and FLAGS.run_despite_worker_gate:
+    gate["overridden"] = True  # The report then says that the arms ran on workers that failed it.
+  elif gate and not gate["passed"]:
     saved["done"] = True  # The outcome: no orchestrator trains on these workers; the results say why.
     print(results_md.write_results(saved, FLAGS.results_file, report))
     raise SystemExit(f"the worker models in {workers_dir} fail the worker gate (task.worker_gate), so capacity "
@@ -225,7 +231,7 @@ def main(argv):
 
   machine.run_parallel(run_arm, [(config_of(arm, s), arm_dir(s, arm)) for s, arm in runs], FLAGS.workers,
                        on_result=store_arm)
-  saved["done"] = True
+  saved["done"] = set(all_arms) == set(report.ARMS)  # A run of some arms leaves the experiment partial.
   save()
   print(results_md.publish(saved, FLAGS.results_file, report))
 

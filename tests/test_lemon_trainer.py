@@ -489,6 +489,8 @@ def test_worker_gate_compares_each_capacity_and_adjacent_gaps_with_the_threshold
   stopped = report.render({"command": "cmd", "machine": "cpu", "setup": {"reward": {}}, "seeds": [],
                            "workers": {"skills": skills, "sizes": {}}, "worker_gate": gate})
   assert "stopped at the worker gate" in stopped and "FAILED" in stopped and "| large |" in stopped
+  overridden = report.workers_table({"skills": skills, "sizes": {}}, {**gate, "overridden": True})
+  assert "FAILED" in overridden[-1] and "ran anyway" in overridden[-1]
 
 
 def test_worker_params_round_trip_and_skill_scores(tmp_path):
