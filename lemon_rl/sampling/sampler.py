@@ -124,8 +124,9 @@ def distinct_prompts(prompts: Sequence[Sequence[int]], multiple: int = 1) -> tup
   index: dict[tuple[int, ...], int] = {}
   rows = np.asarray([index.setdefault(tuple(int(t) for t in p), len(index)) for p in prompts], np.int32)
   distinct = [list(p) for p in index]
-  bucket = 1 << (len(distinct) - 1).bit_length()
-  distinct += [distinct[0]] * (bucket + -bucket % multiple - len(distinct))
+  size = 1 << (len(distinct) - 1).bit_length()  # A power of two,
+  size += -size % multiple  # rounded up to the multiple.
+  distinct += [distinct[0]] * (size - len(distinct))
   return distinct, rows
 
 
