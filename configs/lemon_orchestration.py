@@ -37,6 +37,17 @@ both cores, most of it compiling: the worker pool pads each batch with copies of
 compiled its shared prefill for every new number of distinct prompts. Since that count is padded to a power
 of two (2026-12-07) an RL step with the committed workers takes 6-8 s and the orchestrator's SFT with the
 step-0 check 12.5 minutes (seed 0, Intel 2-core host), so all seven arms over five seeds are about 13 hours.
+
+Why the committed workers fail the worker gate (ad-hoc diagnostics, 2026-12-07, on 500-1,500 demonstrations of
+each split): the workers do not compute reliably at any capacity, and it is not overfitting. On training
+demonstrations the medium / large worker scored 0.36 / 0.40 on ``add`` and 0.27 / 0.31 on ``multiply``, as on
+held-out ones (0.32 / 0.38 and 0.30 / 0.32). Every ``add`` answer is below 100, 2-step chains fail as often as 3-step
+ones (large: 0.36 against 0.38 right), and every wrong ``add`` answer is off by 1 to 10. Two pilots from the
+committed large worker, one CPU core each, 64 compute demonstrations a step at learning rate 1e-3: 200 more
+steps in today's format left it flat (``add`` 0.38 -> 0.36, ``multiply`` 0.32 -> 0.31); a scratchpad of the
+running values with reversed digits (``29*3*2`` -> ``78 471=174``) learnt slowly (``add`` 0.32, ``multiply``
+0.15 after 300 steps). A world whose workers compute reliably needs another arithmetic format or range, or
+several times the training, before the arms are worth their 13 hours.
 """
 
 from ml_collections import config_dict

@@ -20,7 +20,9 @@ from lemon_rl.eval.stats import PairedComparison, format_mean_ci, format_paired_
 TITLE = "LEMON orchestration"
 RESULTS_FILE = "experiments/results/lemon/results.json"
 PLOT_FILE = "experiments/results/lemon/curves.png"
-COMMAND = "python -m experiments.reproduce_lemon --workdir=runs/lemon --seeds=0,1,2,3,4"
+PLANNED_SEEDS = (0, 1, 2, 3, 4)  # The experiment's seeds (a claimed effect needs all five).
+COMMAND = ("python -m experiments.reproduce_lemon --workdir=runs/lemon --seeds="
+           + ",".join(str(s) for s in PLANNED_SEEDS))
 MISSING = ("Not run yet: the task, trainer, worker-model training and step-0 check are in place "
            "(`lemon_rl.training.lemon`, `lemon_rl.envs.word_problems`, `configs/lemon_orchestration.py`, whose "
            "docstring records the sizing runs: the worker models are about 8 CPU-hours, and all arms over five "
@@ -150,7 +152,9 @@ def render(saved: Mapping[str, Any]) -> str:
         *workers_table(saved["workers"], gate)])
   lines = [
       f"Command: `{saved['command']}` {results_md.where_seeds_ran(saved)}"
-      + ("" if saved.get("done") else " (partial: still running or stopped)") + ".",
+      + ("" if saved.get("done") else " (partial: still running or stopped)") + "."
+      + (f" {len(seeds)} of the {len(PLANNED_SEEDS)} seeds the experiment plans." if len(seeds) < len(PLANNED_SEEDS)
+         else ""),
       "",
       f"Word problems (half with a multiplication); reward = success + {r['lambda_tok']} x token efficiency "
       f"(budget {r['token_budget']:g} worker tokens) - {r['lambda_graph']} x graph cost, {r['invalid_reward']} "
