@@ -404,6 +404,9 @@ def test_report_renders_directions_and_step0_from_saved_results():
   assert rows["LEMON without SFT - LEMON, accuracy"].endswith("| reproduced |")
   assert "no paired seeds" in rows["LEMON - LEMON without reset_duty, accuracy"]
   assert "| drop_edge |" in text and "passed on 3 of 3 seeds" in text
+  assert "3 of the 5 seeds the experiment plans" in text.splitlines()[0]
+  five = {**saved, "seeds": seeds + [{**seeds[0], "seed": s} for s in (3, 4)]}
+  assert "seeds the experiment plans" not in report.render(five)
 
 
 _TINY_WORKER = {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "mlp_dim": 32}
