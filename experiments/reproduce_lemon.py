@@ -183,13 +183,13 @@ def main(argv):
           if saved["workers"] else f"variant {FLAGS.variant!r} uses programmatic workers: nothing to train")
     return
   gate = saved.get("worker_gate")
-  if gate and not gate["passed"] and FLAGS.run_despite_worker_gate:
+  if gate and not gate["passed"]:
+    if not FLAGS.run_despite_worker_gate:
+      saved["done"] = True  # The outcome: no orchestrator trains on these workers; the results say why.
+      print(results_md.write_results(saved, FLAGS.results_file, report))
+      raise SystemExit(f"the worker models in {workers_dir} fail the worker gate (task.worker_gate), so capacity "
+                       f"would not matter to the orchestrator: {report.gate_checks(gate)}")
     gate["overridden"] = True  # The report then says that the arms ran on workers that failed it.
-  elif gate and not gate["passed"]:
-    saved["done"] = True  # The outcome: no orchestrator trains on these workers; the results say why.
-    print(results_md.write_results(saved, FLAGS.results_file, report))
-    raise SystemExit(f"the worker models in {workers_dir} fail the worker gate (task.worker_gate), so capacity "
-                     f"would not matter to the orchestrator: {report.gate_checks(saved['worker_gate'])}")
 
   def config_of(arm, seed):
     c = lemon_orchestration.apply_arm(lemon_orchestration.get_config(FLAGS.variant), arm)

@@ -150,11 +150,11 @@ def render(saved: Mapping[str, Any]) -> str:
         "trained. Its premise, that a larger worker is clearly better at multiplying, does not hold for these "
         "workers, so the arms would compare teams whose capacities make no difference: no arm ran.", "",
         *workers_table(saved["workers"], gate)])
+  partial = "" if saved.get("done") else " (partial: still running or stopped)"
+  few_seeds = (f" {len(seeds)} of the {len(PLANNED_SEEDS)} seeds the experiment plans."
+               if len(seeds) < len(PLANNED_SEEDS) else "")
   lines = [
-      f"Command: `{saved['command']}` {results_md.where_seeds_ran(saved)}"
-      + ("" if saved.get("done") else " (partial: still running or stopped)") + "."
-      + (f" {len(seeds)} of the {len(PLANNED_SEEDS)} seeds the experiment plans." if len(seeds) < len(PLANNED_SEEDS)
-         else ""),
+      f"Command: `{saved['command']}` {results_md.where_seeds_ran(saved)}{partial}.{few_seeds}",
       "",
       f"Word problems (half with a multiplication); reward = success + {r['lambda_tok']} x token efficiency "
       f"(budget {r['token_budget']:g} worker tokens) - {r['lambda_graph']} x graph cost, {r['invalid_reward']} "
