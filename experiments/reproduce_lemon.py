@@ -10,11 +10,12 @@ demonstrations (``lemon_rl.envs.word_problems.worker_demonstrations``), into ``W
 results: about 9 MB of float32 parameters; ``--workers_dir`` elsewhere) and their skills are measured on held-out
 demonstrations; they are part of the environment, the same for every arm and seed. The experiment spans sessions and
 machines, and training the workers costs several CPU-hours: committing them is what keeps every seed on the same
-workers (arms stored with other workers are refused). A worker in training checkpoints every
+workers (arms stored with other workers are refused; so are saved workers taught other demonstrations, e.g. after
+the world's rules changed). A worker in training checkpoints every
 ``worker_training.checkpoint_every`` steps and on SIGTERM into ``WORKERS_DIR/<capacity>_training`` and the same
 command resumes it exactly: commit that directory to go on in another session. Before any orchestrator trains, the
 worker gate (``task.worker_gate``, :func:`lemon_rl.training.worker_models.worker_gate`) checks the premise that
-capacity matters (the large worker clearly above the medium one on multiplications): with workers that fail it the
+capacity matters (the large worker multiplies reliably, the small one clearly worse): with workers that fail it the
 command saves the workers and the failed gate as the results (no arm) and stops, since every arm would be comparing
 teams whose capacities make no difference; ``--run_despite_worker_gate`` runs the arms anyway and the results say
 that the gate failed (the step-0 check then measures how often lowering a capacity changes the reward). The

@@ -413,8 +413,9 @@ _TINY_WORKER = {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "num_kv_head
 _WORKER_SIZES = {c: _TINY_WORKER for c in ("small", "medium", "large")}
 
 
-def _train_tiny_workers(out: str, training: dict, sizes=None) -> dict:
-  demos, eval_demos = wp.worker_demonstrations(0, 16, "workers"), wp.worker_demonstrations(0, 8, "workers_eval")
+def _train_tiny_workers(out: str, training: dict, sizes=None, demos=None) -> dict:
+  demos = demos or wp.worker_demonstrations(0, 16, "workers")
+  eval_demos = wp.worker_demonstrations(0, 8, "workers_eval")
   return worker_models.train_worker_models(demos, eval_demos, sizes or _WORKER_SIZES, training, out,
                                            ByteTokenizer(), prompt_len=wp.WORKER_PROMPT_LEN, max_new_tokens=4,
                                            log=lambda _: None)
@@ -425,17 +426,22 @@ def test_worker_training_reuses_saved_models_only_under_the_same_settings(tmp_pa
   training = {"steps": 2, "batch_size": 4, "learning_rate": 1e-3, "warmup_steps": 0, "seed": 0}
   run_settings = {**training, "checkpoint_every": 1}  # Not a setting of the models.
   meta = _train_tiny_workers(out, run_settings)
-  assert meta["training"] == training and set(meta["skills"]) == set(meta["train_s"]) == set(_WORKER_SIZES)
+  digest = worker_models.demonstrations_digest(wp.worker_demonstrations(0, 16, "workers"))
+  assert meta["training"] == {**training, "demonstrations": digest} and set(meta["skills"]) == set(meta["train_s"]) == set(_WORKER_SIZES)
   assert sorted(os.listdir(out)) == ["large.npz", "large_training", "medium.npz", "medium_training", "small.npz",
                                      "small_training", "workers.json"]
   assert os.listdir(os.path.join(out, "small_training")) == ["metrics.jsonl"]  # Checkpoints go once saved.
   stamps = {c: os.path.getmtime(os.path.join(out, f"{c}.npz")) for c in _WORKER_SIZES}
-  assert _train_tiny_workers(out, run_settings)["training"] == training  # Same settings: loaded, not retrained.
+  assert _train_tiny_workers(out, run_settings)["training"]["steps"] == 2  # Same settings: loaded, not retrained.
   assert {c: os.path.getmtime(os.path.join(out, f"{c}.npz")) for c in _WORKER_SIZES} == stamps
   with pytest.raises(ValueError, match=r"training.steps: saved 2, requested 3"):
     _train_tiny_workers(out, {**run_settings, "steps": 3})
   with pytest.raises(ValueError, match=r"sizes.large: saved"):
     _train_tiny_workers(out, run_settings, {**_WORKER_SIZES, "large": {**_TINY_WORKER, "mlp_dim": 64}})
+  taught_otherwise = [{**d, "completion": d["completion"] + "!"} if i == 3 else d  # Another world's rules.
+                      for i, d in enumerate(wp.worker_demonstrations(0, 16, "workers"))]
+  with pytest.raises(ValueError, match=rf"training.demonstrations: saved '{digest}'"):
+    _train_tiny_workers(out, run_settings, demos=taught_otherwise)
 
 
 def test_worker_training_stopped_by_sigterm_resumes_to_the_same_models(tmp_path, monkeypatch):
@@ -473,13 +479,14 @@ def test_worker_training_stopped_by_sigterm_resumes_to_the_same_models(tmp_path,
         np.testing.assert_array_equal(a[name], b[name], err_msg=f"{cap} {name}")
 
 
-def test_worker_gate_compares_each_capacity_and_adjacent_gaps_with_the_thresholds():
+def test_worker_gate_compares_each_capacity_and_every_gap_with_the_thresholds():
   skills = {"small": {"multiply": 0.25, "add": 0.9}, "medium": {"multiply": 0.5, "add": 0.95},
             "large": {"multiply": 0.6, "add": 1.0}}
   gate = worker_models.worker_gate(skills, {"min_multiply_large_minus_medium": 0.15, "min_multiply_large": 0.5})
   assert gate["statistics"]["multiply_large_minus_medium"] == pytest.approx(0.1)
   assert gate["statistics"]["add_medium_minus_small"] == pytest.approx(0.05)
-  assert gate["statistics"]["add_small"] == 0.9 and len(gate["statistics"]) == 2 * (3 + 2)
+  assert gate["statistics"]["multiply_large_minus_small"] == pytest.approx(0.35)
+  assert gate["statistics"]["add_small"] == 0.9 and len(gate["statistics"]) == 2 * (3 + 3)  # Scores, every gap.
   assert not gate["passed"]
   assert [c["passed"] for c in gate["checks"]] == [False, True]
   text = report.gate_checks(gate)

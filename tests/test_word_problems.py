@@ -42,13 +42,34 @@ def test_problem_text_expression_answer_and_parse_round_trip():
       wp.parse_problem(bad)
 
 
-def test_evaluate_chain_by_hand():
+def test_evaluate_chain_and_worked_chain_by_hand():
   assert wp.evaluate_chain("2+3*4") == 20
   assert wp.evaluate_chain("30-11-17*3") == 6
   assert wp.evaluate_chain("5-9") == -4
+  assert wp.worked_chain("30-11-17*3") == "19 2 6"
+  assert wp.worked_chain("5-9*2") == "-4 -8"
   for bad in ("7", "2+", "+2", "2x3", "2 + 3"):
     with pytest.raises(ValueError):
       wp.evaluate_chain(bad)
+    with pytest.raises(ValueError):
+      wp.worked_chain(bad)
+
+
+@pytest.mark.parametrize("output,value", [
+    ("44", "44"), ("17 51 44", "44"), (" 17 51 44\n", "44"), ("-4 -8", "-8"),
+    ("", None), ("?", None), ("3 steps", None), ("17  51", None), ("12+5", None), ("44.", None)])
+def test_number_value_and_answer_check(output, value):
+  assert wp.number_value(output) == value
+  assert wp.answer_matches(output, "44") == (value == "44")
+
+
+def test_corrupt_moves_a_number_value_or_one_operand():
+  for u in np.linspace(0, 0.99, 12):
+    wrong = wp.corrupt("17 51 44", u)
+    assert wrong.startswith("17 51 ") and 1 <= abs(int(wp.number_value(wrong)) - 44) <= 3
+    assert 1 <= abs(int(wp.corrupt("44", u)) - 44) <= 3
+    assert wp.corrupt("12+5*3", u) in ("13+5*3", "12+6*3", "12+5*4")
+  assert wp.corrupt("looks fine", 0.3) == "looks fine"
 
 
 def test_canonical_key_ignores_surface_and_commuting_order():
@@ -93,17 +114,17 @@ def _prompt(duty, inputs=(), task=TEXT, role="solver"):
 @pytest.mark.parametrize("duty,inputs,expected,skill", [
     ("extract", (), "12+5*3-7", "extract"),
     ("extract fast", (), "12+5*3-7", "extract"),  # Free text does not change the duty.
-    ("compute", (("extractor", "12+5*3-7"),), "44", "multiply"),
+    ("compute", (("extractor", "12+5*3-7"),), "17 51 44", "multiply"),  # The worked chain.
     ("compute", (("extractor", "2+3"), ("critic", "looks fine")), "5", "add"),  # The last expression.
     ("compute", (("extractor", "2+3"), ("extractor", "4*2")), "8", "multiply"),
     ("compute", (), "?", None),  # No extractor: a calculator cannot work (the needed edge).
-    ("compute", (("calculator", "44"),), "?", None),
-    ("verify", (("extractor", "12+5*3-7"), ("calculator", "45")), "44", "multiply"),
-    ("verify", (("calculator", "45"),), "45", None),
-    ("solve", (), "44", "solve_multiply"),
-    ("aggregate", (("a", "3"), ("b", "5"), ("c", "5")), "5", None),
+    ("compute", (("calculator", "17 51 44"),), "?", None),
+    ("verify", (("extractor", "12+5*3-7"), ("calculator", "17 51 45")), "17 51 44", "multiply"),
+    ("verify", (("calculator", "17 51 45"), ("critic", "looks fine")), "45", None),  # The last number's value.
+    ("solve", (), "44", "solve_multiply"),  # One shot: no worked chain.
+    ("aggregate", (("a", "3"), ("b", "2 5"), ("c", "5")), "5", None),  # By value.
     ("aggregate", (("a", "3"), ("b", "5")), "3", None),  # Tie: the earliest.
-    ("aggregate", (("a", "looks fine"),), "?", None),
+    ("aggregate", (("a", "looks fine"), ("b", "3 steps")), "?", None),  # Not numbers.
     ("plan", (), "3 steps", None),
     ("critique", (("a", "44"),), "looks fine", None),
     ("summarize", (), "Ann has 12 pens.", None),
@@ -133,12 +154,12 @@ def test_programmatic_workers_accuracy_coupling_and_tokens():
   right = {}
   for cap, worker in pool.items():
     out = worker(prompts, keys)
-    right[cap] = np.asarray([t == str(p.answer) for t, p in zip(out.texts, problems)])
+    right[cap] = np.asarray([t == wp.worked_chain(p.expression) for t, p in zip(out.texts, problems)])
     assert abs(right[cap].mean() - wp.SKILL_ACCURACY["multiply"][cap]) < 0.04, (cap, right[cap].mean())
     assert list(out.prompt_tokens) == [len(tok.encode(x)) for x in prompts]
     assert list(out.completion_tokens) == [len(t) + 1 + wp.EXTRA_TOKENS[cap] for t in out.texts]
-    wrong = [t for t, ok in zip(out.texts, right[cap]) if not ok]
-    assert all(t != "?" and t.lstrip("-").isdigit() for t in wrong)  # Corrupted numbers, not failures.
+    assert all(wp.number_value(t) not in (None, str(p.answer))  # Corrupted numbers, not failures.
+               for t, p, ok in zip(out.texts, problems, right[cap]) if not ok)
   assert not np.any(right["small"] & ~right["medium"]) and not np.any(right["medium"] & ~right["large"])
   again = pool["small"](prompts[:50], keys[:50]).texts
   assert again == pool["small"](prompts[:50], keys[:50]).texts  # A function of (prompt, key).
@@ -165,7 +186,7 @@ def test_teacher_specs_are_valid_short_and_give_every_edit_family_work():
 
 def _score(specs, examples):
   executor = Executor(wp.programmatic_workers(), schema=wp.TASK_SCHEMA, max_input_chars=wp.MAX_INPUT_CHARS)
-  scorer = lemon.OrchestrationScorer(executor, lemon.RewardSettings())
+  scorer = lemon.OrchestrationScorer(executor, lemon.RewardSettings(), check=wp.answer_matches)
   out = {}
   for name, text in specs.items():
     scored = scorer.score([text] * len(examples), [e["task"] for e in examples], [e["answer"] for e in examples],

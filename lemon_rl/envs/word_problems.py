@@ -18,19 +18,27 @@ default, :data:`~lemon_rl.envs.orchestration.DEFAULT_ROLES`, and labels its outp
 duty          a perfect worker's output
 ============  =================================================================================
 extract       the problem's expression (``12+5*3``), distractor skipped           skill ``extract``
-compute       the value of the LAST parent output that is an expression; ``?``    skill ``add`` /
-              without one (a calculator needs its extractor: a needed edge)       ``multiply``
+compute       the worked chain of the LAST parent output that is an expression    skill ``add`` /
+              (its running values, ``17 51``: :func:`worked_chain`); ``?``        ``multiply``
+              without one (a calculator needs its extractor: a needed edge)
 verify        as ``compute`` when a parent gives an expression; else it repeats   as compute
-              the last integer a parent gives (``?`` if none)
-solve         the answer, from the task text alone (extract and compute at once)  ``solve_add`` /
-                                                                                  ``solve_multiply``
-aggregate     the most common integer among the parent outputs (ties: earliest)   exact
+              the value of the last parent number (``?`` if none)
+solve         the answer, from the task text alone (extract and compute at once,  ``solve_add`` /
+              no worked chain)                                                    ``solve_multiply``
+aggregate     the most common value among the parent numbers (ties: earliest)     exact
 plan          ``<k> steps``                                                       useless
 critique      ``looks fine``                                                      useless
 summarize     the task's first sentence                                           useless
 explain       ``work left to right``                                              useless
 format        the last parent output unchanged (``?`` if none)                    pass-through
 ============  =================================================================================
+
+A *number* is an output made of integers separated by spaces (a worked chain or a single integer) and its
+*value* is its last integer (:func:`number_value`); the team succeeds when the answer agent's output is a
+number whose value is the answer (:func:`answer_matches`). *Decision* (2026-12-07): a calculator writes the
+running values rather than the value alone, because worker models of these sizes did not learn to evaluate a
+chain in one shot (see ``configs/lemon_orchestration.py``); solving stays one-shot, which is what makes it
+worse than extract-then-compute.
 
 So a role is useless at its default duty (planner, critic, summarizer, explainer-like duties) and useful
 once its duty is customised (``{role: planner, duty: extract}`` extracts): resetting a duty changes what a
@@ -114,7 +122,7 @@ SPLITS = ("sft", "rl", "validation", "test", "workers", "workers_eval")
 _SPLIT_BUCKET = {"sft": "sft", "rl": "rl", "validation": "validation", "test": "test", "workers": "sft",
                  "workers_eval": "validation"}
 
-_INT_RE = re.compile(r"-?[0-9]+")
+_NUMBER_RE = re.compile(r"-?[0-9]+(?: -?[0-9]+)*")  # A number: integers separated by spaces.
 _EXPR_RE = re.compile(r"[0-9]+(?:[+*-][0-9]+)+")
 _STEP_SPLIT_RE = re.compile(r"([+*-])([0-9]+)")
 
@@ -171,14 +179,39 @@ class Problem:
     return " ".join(sentences)
 
 
-def evaluate_chain(expression: str) -> int:
-  """The value of ``"12+5*3-7"`` applied left to right (``((12 + 5) * 3) - 7``); ``ValueError`` if malformed."""
+def running_values(expression: str) -> list[int]:
+  """The value after each step of ``"12+5*3-7"``, applied left to right: ``[17, 51, 44]``; ``ValueError`` if
+  malformed."""
   if not _EXPR_RE.fullmatch(expression):
     raise ValueError(f"not a chain expression: {expression!r}")
-  value = int(re.match(r"[0-9]+", expression).group())
-  for op, b in _STEP_SPLIT_RE.findall(expression[len(str(value)):]):
+  start = re.match(r"[0-9]+", expression).group()
+  value, values = int(start), []
+  for op, b in _STEP_SPLIT_RE.findall(expression[len(start):]):
     value = value + int(b) if op == "+" else value - int(b) if op == "-" else value * int(b)
-  return value
+    values.append(value)
+  return values
+
+
+def evaluate_chain(expression: str) -> int:
+  """The value of ``"12+5*3-7"`` applied left to right (``((12 + 5) * 3) - 7``); ``ValueError`` if malformed."""
+  return running_values(expression)[-1]
+
+
+def worked_chain(expression: str) -> str:
+  """A calculator's output: the running values separated by spaces, ``"12+5*3-7"`` -> ``"17 51 44"`` (its last
+  integer is the chain's value); ``ValueError`` if malformed."""
+  return " ".join(map(str, running_values(expression)))
+
+
+def number_value(output: str) -> str | None:
+  """The value of a number output (its last integer: ``"17 51"`` -> ``"51"``), None for any other text."""
+  output = output.strip()
+  return output.rsplit(" ", 1)[-1] if _NUMBER_RE.fullmatch(output) else None
+
+
+def answer_matches(output: str, gold: str) -> bool:
+  """Task success: the answer agent's output is a number whose value is ``gold``."""
+  return number_value(output) == str(gold).strip()
 
 
 def _sentence_patterns():
@@ -321,19 +354,18 @@ def reference_output(prompt: AgentPrompt) -> str:
   if duty in ("compute", "verify"):
     expression = _last(outputs, _EXPR_RE)
     if expression is not None:
-      return str(evaluate_chain(expression))
-    if duty == "verify":
-      return _last(outputs, _INT_RE) or UNKNOWN
-    return UNKNOWN
+      return worked_chain(expression)
+    values = [v for v in map(number_value, outputs) if v is not None]
+    return values[-1] if duty == "verify" and values else UNKNOWN
   if duty == "solve":
     return str(problem.answer) if problem else UNKNOWN
   if duty == "aggregate":
-    numbers = [out.strip() for out in outputs if _INT_RE.fullmatch(out.strip())]
-    if not numbers:
+    values = [v for v in map(number_value, outputs) if v is not None]
+    if not values:
       return UNKNOWN
-    counts = collections.Counter(numbers)
+    counts = collections.Counter(values)
     best = max(counts.values())
-    return next(n for n in numbers if counts[n] == best)
+    return next(v for v in values if counts[v] == best)
   if duty == "plan":
     return f"{len(problem.steps)} steps" if problem else UNKNOWN
   if duty == "summarize":
@@ -362,11 +394,13 @@ def skill_of(prompt: AgentPrompt) -> str | None:
 
 
 def corrupt(output: str, u: float) -> str:
-  """A wrong version of a correct output (``u`` in ``[0, 1)`` picks which): an integer moves by 1-3, an
-  expression gets one operand changed by one; any other text is returned unchanged."""
-  if _INT_RE.fullmatch(output):
+  """A wrong version of a correct output (``u`` in ``[0, 1)`` picks which): a number's value (its last
+  integer) moves by 1-3, an expression gets one operand changed by one; any other text is returned
+  unchanged."""
+  if number_value(output) is not None:
+    head, _, value = output.rpartition(" ")
     delta = 1 + int(u * 6) % 3
-    return str(int(output) + (delta if u < 0.5 else -delta))
+    return (head + " " if head else "") + str(int(value) + (delta if u < 0.5 else -delta))
   if _EXPR_RE.fullmatch(output):
     numbers = list(re.finditer(r"[0-9]+", output))
     m = numbers[int(u * len(numbers)) % len(numbers)]
@@ -471,7 +505,7 @@ def max_teacher_chars() -> int:
 
 # Duties of the worker demonstrations and their shares (*Decision*: the skills that differ by capacity get
 # most of the data; the exact duties are easy and need little).
-WORKER_DUTIES = {"extract": 0.2, "compute": 0.2, "verify": 0.1, "solve": 0.15, "aggregate": 0.07, "plan": 0.05,
+WORKER_DUTIES = {"extract": 0.18, "compute": 0.25, "verify": 0.1, "solve": 0.12, "aggregate": 0.07, "plan": 0.05,
                  "critique": 0.05, "summarize": 0.06, "explain": 0.04, "format": 0.08}
 _FREE_TEXT = ("carefully", "step by step", "the numbers", "fast")
 
@@ -489,8 +523,9 @@ def _worker_prompt(problem: Problem, rng: np.random.Generator) -> str:
   def parent(kind):
     if kind == "expression":
       return "extractor", expression if rng.random() < 0.8 else corrupt(expression, rng.random())
-    if kind == "number":
-      return "calculator", answer if rng.random() < 0.7 else corrupt(answer, rng.random())
+    if kind == "number":  # A calculator's worked chain or a single value (a solver's, an aggregator's).
+      number = worked_chain(expression) if rng.random() < 0.5 else answer
+      return "calculator", number if rng.random() < 0.7 else corrupt(number, rng.random())
     return str(rng.choice(["critic", "planner", "summarizer", "solver"])), useless[int(rng.integers(len(useless)))]
 
   kinds = [str(rng.choice(["expression", "number", "useless"], p=[0.4, 0.4, 0.2]))
@@ -672,7 +707,7 @@ def build_task(cfg, data_dir: str) -> Task:
                                                max_new_tokens=WORKER_MAX_NEW_TOKENS)
   executor = ex_lib.Executor(workers, schema=TASK_SCHEMA, max_input_chars=MAX_INPUT_CHARS)
   scorer = lemon.OrchestrationScorer(executor, lemon.RewardSettings.from_config(cfg.reward, TASK_SCHEMA),
-                                     breakdown_field="kind")
+                                     check=answer_matches, breakdown_field="kind")
   return Task(
       tokenizer=tokenizer,
       sft_source=sft_specs(cfg.data_seed, cfg.num_sft, **kwargs),

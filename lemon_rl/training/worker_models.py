@@ -10,6 +10,7 @@ to commit with an experiment's results.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -81,16 +82,24 @@ def worker_gate(skills: Mapping[str, Mapping[str, float]], thresholds: Mapping[s
   """Whether capacity matters among the measured workers (``skills``: capacity -> skill -> exact match, as
   :func:`score_workers` gives), the experiment's premise, checked before any orchestrator trains.
 
-  Statistics: ``<skill>_<capacity>`` (each score) and ``<skill>_<bigger>_minus_<smaller>`` (adjacent
+  Statistics: ``<skill>_<capacity>`` (each score) and ``<skill>_<bigger>_minus_<smaller>`` (every pair of
   capacities of :data:`CAPACITIES`), compared with ``thresholds`` (``min_`` / ``max_<statistic>``, e.g.
-  ``min_multiply_large_minus_medium``) by :func:`~lemon_rl.eval.headroom.check_headroom`. Returns its
+  ``min_multiply_large_minus_small``) by :func:`~lemon_rl.eval.headroom.check_headroom`. Returns its
   JSON-ready report; never raises on a failed check (the caller decides)."""
   statistics = {}
   for skill in skills[CAPACITIES[0]]:
     statistics.update({f"{skill}_{cap}": float(skills[cap][skill]) for cap in CAPACITIES})
     statistics.update({f"{skill}_{big}_minus_{small}": float(skills[big][skill] - skills[small][skill])
-                       for small, big in zip(CAPACITIES, CAPACITIES[1:])})
+                       for i, small in enumerate(CAPACITIES) for big in CAPACITIES[i + 1:]})
   return check_headroom(statistics, dict(thresholds), raise_on_failure=False).to_dict()
+
+
+def demonstrations_digest(demos: Sequence[Mapping[str, Any]]) -> str:
+  """A SHA-256 of the demonstrations' prompts and completions, in order: what the workers were taught."""
+  digest = hashlib.sha256()
+  for d in demos:
+    digest.update(json.dumps([d["prompt"], d["completion"]]).encode())
+  return digest.hexdigest()
 
 
 def train_worker_models(demos: Sequence[Mapping[str, Any]], eval_demos: Sequence[Mapping[str, Any]],
@@ -107,19 +116,22 @@ def train_worker_models(demos: Sequence[Mapping[str, Any]], eval_demos: Sequence
   is deleted once the ``.npz`` is saved; its ``metrics.jsonl`` stays). Each model's skills are then measured
   on ``eval_demos`` (greedy) and written, with the sizes and training seconds, to ``out_dir/workers.json``,
   which is returned. Models already saved are not retrained; ``ValueError`` if they, or a model in training,
-  were started with other ``training`` settings or sizes (a stale directory is never reused silently).
+  were started with other ``training`` settings, sizes or demonstrations (:func:`demonstrations_digest`: the
+  world's rules changed), so a stale directory is never reused silently.
   """
   from lemon_rl.training import experiment  # pylint: disable=g-import-not-at-top  (experiment imports phases)
   from lemon_rl.training.sft import SFTTrainer  # pylint: disable=g-import-not-at-top
   os.makedirs(out_dir, exist_ok=True)
   meta_path = os.path.join(out_dir, WORKERS_META)
   requested = {k: training[k] for k in ("steps", "batch_size", "learning_rate", "warmup_steps", "seed")}
+  requested["demonstrations"] = demonstrations_digest(demos)
   meta = {"sizes": {}, "train_s": {}}
   if os.path.exists(meta_path):
     with open(meta_path) as f:
       meta = json.load(f)
-  stale = [f"training.{k}: saved {v!r}, requested {requested[k]!r}" for k, v in meta.get("training", {}).items()
-           if requested.get(k) != v]
+  saved = meta.get("training")
+  stale = [f"training.{k}: saved {saved.get(k)!r}, requested {v!r}" for k, v in requested.items()
+           if saved is not None and saved.get(k) != v]
   stale += [f"sizes.{cap}: saved {v!r}, requested {dict(sizes[cap])!r}" for cap, v in meta["sizes"].items()
             if v != dict(sizes[cap])]
   if stale:
