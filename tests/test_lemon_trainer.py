@@ -427,7 +427,8 @@ def test_worker_training_reuses_saved_models_only_under_the_same_settings(tmp_pa
   run_settings = {**training, "checkpoint_every": 1}  # Not a setting of the models.
   meta = _train_tiny_workers(out, run_settings)
   digest = worker_models.demonstrations_digest(wp.worker_demonstrations(0, 16, "workers"))
-  assert meta["training"] == {**training, "demonstrations": digest} and set(meta["skills"]) == set(meta["train_s"]) == set(_WORKER_SIZES)
+  assert meta["training"] == {**training, "demonstrations": digest}
+  assert set(meta["skills"]) == set(meta["train_s"]) == set(_WORKER_SIZES)
   assert sorted(os.listdir(out)) == ["large.npz", "large_training", "medium.npz", "medium_training", "small.npz",
                                      "small_training", "workers.json"]
   assert os.listdir(os.path.join(out, "small_training")) == ["metrics.jsonl"]  # Checkpoints go once saved.

@@ -346,6 +346,7 @@ def reference_output(prompt: AgentPrompt) -> str:
   """What a perfect worker answers to ``prompt`` (the table of the module docstring)."""
   duty = prompt.duty.split(" ", 1)[0]
   outputs = [out for _, out in prompt.inputs]
+  values = [v for v in map(number_value, outputs) if v is not None]  # The parent numbers' values.
   try:
     problem = parse_problem(prompt.task)
   except ValueError:
@@ -356,12 +357,10 @@ def reference_output(prompt: AgentPrompt) -> str:
     expression = _last(outputs, _EXPR_RE)
     if expression is not None:
       return worked_chain(expression)
-    values = [v for v in map(number_value, outputs) if v is not None]
     return values[-1] if duty == "verify" and values else UNKNOWN
   if duty == "solve":
     return str(problem.answer) if problem else UNKNOWN
   if duty == "aggregate":
-    values = [v for v in map(number_value, outputs) if v is not None]
     if not values:
       return UNKNOWN
     counts = collections.Counter(values)

@@ -129,9 +129,9 @@ def train_worker_models(demos: Sequence[Mapping[str, Any]], eval_demos: Sequence
   if os.path.exists(meta_path):
     with open(meta_path) as f:
       meta = json.load(f)
-  saved = meta.get("training")
+  saved = meta.get("training", requested)
   stale = [f"training.{k}: saved {saved.get(k)!r}, requested {v!r}" for k, v in requested.items()
-           if saved is not None and saved.get(k) != v]
+           if saved.get(k) != v]
   stale += [f"sizes.{cap}: saved {v!r}, requested {dict(sizes[cap])!r}" for cap, v in meta["sizes"].items()
             if v != dict(sizes[cap])]
   if stale:
