@@ -23,12 +23,11 @@ PLOT_FILE = "experiments/results/lemon/curves.png"
 PLANNED_SEEDS = (0, 1, 2, 3, 4)  # The experiment's seeds (a claimed effect needs all five).
 COMMAND = ("python -m experiments.reproduce_lemon --workdir=runs/lemon --seeds="
            + ",".join(str(s) for s in PLANNED_SEEDS))
-MISSING = ("Not run yet in the current world, where a calculator writes its running values (`17 51 44`) rather "
-           "than the value alone (2026-12-07). In the previous world the worker models did not learn one-shot chain "
-           "arithmetic and failed the worker gate; its results (seed 0 of every arm, the gate overridden) are at "
-           "commit 2f82878 under `experiments/results/lemon/`. The config's docstring records the sizing runs and "
-           "the pilots behind the change: the worker models are about 8 CPU-hours, and all arms over five seeds "
-           "about 13 hours of wall time on the 2-core machine after them.")
+MISSING = ("Not run yet in the current world, where a calculator writes its running values rather than the value "
+           "alone. In the previous world the worker models did not learn one-shot chain arithmetic and failed the "
+           "worker gate; its results (the first seed of every arm, the gate overridden) are at commit "
+           "`2f82878` under `experiments/results/lemon/`. The config's docstring records the sizing runs, the pilots "
+           "behind the change and the cost of the workers and the arms.")
 
 FAMILIES = ("drop_edge", "reset_duty", "lower_capacity")
 ARMS = ("sft_only", "grpo", "lemon", "no_drop_edge", "no_reset_duty", "no_lower_capacity", "no_sft")
